@@ -1,0 +1,28 @@
+# Every target sets up its own virtualenv on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tfuture-installed
+
+.PHONY: test perf lint soak demo clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# Pinned for the dev environment only: torch==2.13.0 is the CPU wheel on these machines.
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[dev,perf]'
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+perf: $(STAMP)
+	$(PY) -m perf
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tfuture tests perf
+	$(VENV)/bin/ruff format --check tfuture tests perf
+	$(VENV)/bin/mypy tfuture
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache

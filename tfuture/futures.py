@@ -1,0 +1,364 @@
+"""Future slots on the device: :class:`FutureMap` owns them, :class:`FutureIndices` names them.
+
+Ownership rule. Every handle holds one reference on each of its slots: ``alloc`` creates a
+handle with fresh slots, ``filter`` and ``cat`` create handles that take one more reference on
+the slots they name. ``release(handle)`` drops the handle's references, exactly once per handle.
+A slot returns to the pool when its last reference is dropped, so a slot is never handed out
+again while any live handle still names it, and releasing every handle you made returns every
+slot exactly once. Release a handle once every resolve that reads its placeholders has been
+enqueued on the map's stream (stream order then protects the value).
+
+Host bookkeeping is numpy over slot arrays (no per-slot Python loop, no host-device sync).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tfuture import _debug
+from tfuture.kernels._common import ERR_LEN, INT_DTYPES, check_same_device, check_vector
+from tfuture.kernels.resolve import PreparedInputs, prepare_inputs, resolve_futures_
+from tfuture.kernels.store import store_futures
+
+
+class FutureMapFull(RuntimeError):
+    """``alloc`` asked for more slots than are free. Nothing was overwritten."""
+
+
+class FutureError(RuntimeError):
+    """A device-side check failed: a bad placeholder, or (debug) a slot used out of order."""
+
+
+class FutureIndices:
+    """A handle on a set of future slots of one :class:`FutureMap`, one slot per row.
+
+    Rows keep their order. Build new handles with :meth:`filter` and :meth:`cat`; give every
+    handle back with :meth:`FutureMap.release`.
+    """
+
+    __slots__ = ("_map", "_slots", "_start", "_maybe_dups", "_released", "_ph_cache")
+
+    def __init__(self, fmap: FutureMap, slots: np.ndarray, start: int, maybe_dups: bool) -> None:
+        self._map = fmap
+        self._slots = slots
+        self._start = start  # first slot of a contiguous fresh run, or -1
+        self._maybe_dups = maybe_dups
+        self._released = False
+        self._ph_cache: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self._slots.size)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "live"
+        return f"FutureIndices(n={len(self)}, {state}, slots={self._slots[:8].tolist()}...)"
+
+    @property
+    def slots(self) -> np.ndarray:
+        """``[n]`` int64 host array (a read-only view) of the 1-based slot numbers."""
+        view = self._slots.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True for a fresh handle whose slots are one increasing run (stores need no index)."""
+        return self._start >= 0
+
+    def host_placeholders(self) -> np.ndarray:
+        """``[n]`` int64 host array of ``-slot``, for building a mixed token stream on the host."""
+        self._check_live("host_placeholders")
+        return -self._slots
+
+    def placeholders(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[n]`` device tensor of ``-slot`` (default dtype: the map's), made without a sync.
+
+        The tensor is allocated on the current stream. Reading it on another stream needs
+        ``record_stream`` (the runtime does this for you).
+        """
+        self._check_live("placeholders")
+        dtype = self._map.dtype if dtype is None else dtype
+        cached = self._ph_cache
+        if cached is not None and cached.dtype == dtype:
+            return cached
+        dev, n = self._map.device, len(self)
+        if self._start >= 0:
+            ph = torch.arange(-self._start, -self._start - n, -1, dtype=dtype, device=dev)
+        else:
+            ph = torch.from_numpy(-self._slots).to(device=dev, dtype=dtype, non_blocking=True)
+        self._ph_cache = ph
+        return ph
+
+    def filter(self, keep: torch.Tensor | np.ndarray | Sequence[int] | Sequence[bool]) -> FutureIndices:
+        """A new handle on the rows picked by ``keep`` (a bool mask of ``len(self)`` or indices).
+
+        The new handle holds its own reference on its slots and must be released too. A device
+        ``keep`` is copied to the host (a sync); pass host masks on the hot path.
+        """
+        self._check_live("filter")
+        idx = _host_index(keep, len(self))
+        slots = self._slots[idx]
+        dups = self._maybe_dups or idx.dtype != np.bool_
+        self._map._retain(slots, dups)
+        return FutureIndices(self._map, slots, -1, dups)
+
+    @classmethod
+    def cat(cls, handles: Sequence[FutureIndices]) -> FutureIndices:
+        """Concatenate handles of one map, order kept; the result holds its own references."""
+        if isinstance(handles, FutureIndices) or not isinstance(handles, Sequence):
+            raise TypeError(f"cat expects a sequence of FutureIndices, got {type(handles).__name__}")
+        if not handles:
+            raise ValueError("cat expects at least one FutureIndices, got an empty sequence")
+        for h in handles:
+            if not isinstance(h, FutureIndices):
+                raise TypeError(f"cat expects FutureIndices, got {type(h).__name__}")
+            h._check_live("cat")
+        fmap = handles[0]._map
+        for h in handles[1:]:
+            if h._map is not fmap:
+                raise ValueError("cat expects handles of one FutureMap, got handles of two maps")
+        slots = np.concatenate([h._slots for h in handles])
+        dups = sum(1 for h in handles if len(h)) > 1 or any(h._maybe_dups for h in handles)
+        fmap._retain(slots, dups)
+        return cls(fmap, slots, -1, dups)
+
+    def _check_live(self, what: str) -> None:
+        if self._released:
+            raise ValueError(f"{what}: expected a live FutureIndices, got a released one")
+
+
+def _host_index(keep: object, n: int) -> np.ndarray:
+    """Validate ``keep`` and return it as a numpy bool mask or int64 index array."""
+    if isinstance(keep, torch.Tensor):
+        if keep.dim() != 1:
+            raise ValueError(f"keep must be 1-D, got shape {tuple(keep.shape)}")
+        arr = keep.detach().cpu().numpy()
+    elif isinstance(keep, np.ndarray | list | tuple | range):
+        arr = np.asarray(keep)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+    else:
+        raise TypeError(f"keep must be a bool mask or an int index tensor, got {type(keep).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"keep must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.bool_:
+        if arr.size != n:
+            raise ValueError(f"keep as a bool mask must have {n} entries, got {arr.size}")
+        return arr
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"keep must be bool or integer, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < -n or arr.max() >= n):
+        raise ValueError(f"keep indices must lie in [-{n}, {n}), got {arr.min()}..{arr.max()}")
+    return arr
+
+
+class FutureMap:
+    """``capacity`` future slots (1-based) in a device buffer ``token_map[capacity + 1]``.
+
+    Args:
+        capacity: number of usable slots; slot 0 is a padding row that is never handed out.
+        device: where the map lives (default: CUDA when available, else CPU).
+        dtype: ``torch.int32`` or ``torch.int64`` token dtype.
+        debug: add device-side checks that cost a host sync per call: every read slot was
+            written since its alloc, no slot is written twice, no slot is used after release,
+            no placeholder survives resolve. Violations raise :class:`FutureError` at once.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.int64,
+        debug: bool = False,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if dtype not in INT_DTYPES:
+            raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.capacity = int(capacity)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.debug = bool(debug)
+        self.token_map = torch.zeros(self.capacity + 1, dtype=dtype, device=self.device)
+        self.err = torch.zeros(ERR_LEN, dtype=torch.int64, device=self.device)
+        # refs[s] = live handles naming slot s; slot 0 is pinned so it is never free.
+        self._refs = np.zeros(self.capacity + 1, dtype=np.int32)
+        self._refs[0] = 1
+        self._in_use = 0
+        self._head = 1
+        self._state = _debug.new_state(self) if debug else None
+
+    def __repr__(self) -> str:
+        return (
+            f"FutureMap(capacity={self.capacity}, in_use={self._in_use}, "
+            f"device={self.device}, dtype={self.dtype}, debug={self.debug})"
+        )
+
+    @property
+    def in_use(self) -> int:
+        """Slots named by at least one live handle."""
+        return self._in_use
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self._in_use
+
+    def alloc(self, n: int) -> FutureIndices:
+        """A handle on ``n`` fresh slots (``n`` may be 0). Raises :class:`FutureMapFull`."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"alloc expects an int slot count, got {type(n).__name__}")
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"alloc expects n >= 0, got {n}")
+        if n > self.capacity - self._in_use:
+            raise FutureMapFull(
+                f"FutureMap full: asked for {n} slots, {self._in_use} of {self.capacity} in use "
+                f"({self.capacity - self._in_use} free); release handles or raise capacity"
+            )
+        refs, start = self._refs, self._head
+        if start + n > self.capacity + 1:
+            start = 1
+        if not refs[start : start + n].any():
+            slots = np.arange(start, start + n, dtype=np.int64)
+            refs[start : start + n] = 1
+        else:
+            # Fragmented: take the first free slots at or after the head, wrapping around.
+            free = np.flatnonzero(refs == 0)
+            first = np.searchsorted(free, self._head)
+            slots = np.concatenate([free[first:], free[:first]])[:n].astype(np.int64)
+            refs[slots] = 1
+            start = -1
+        self._in_use += n
+        if n:
+            last = int(slots[-1])
+            self._head = last + 1 if last < self.capacity else 1
+        if self._state is not None and n:
+            _debug.on_alloc(self, slots)
+        return FutureIndices(self, slots, start if n else -1, False)
+
+    def release(self, fi: FutureIndices) -> None:
+        """Drop ``fi``'s references; slots with no reference left become reusable."""
+        self._check_handle(fi, "release")
+        slots, refs = fi._slots, self._refs
+        if fi._start >= 0:
+            a, b = fi._start, fi._start + len(fi)
+            refs[a:b] -= 1
+            freed = np.arange(a, b)[refs[a:b] == 0]
+        elif fi._maybe_dups:
+            np.subtract.at(refs, slots, 1)
+            freed = np.unique(slots[refs[slots] == 0])
+        else:
+            refs[slots] -= 1
+            freed = slots[refs[slots] == 0]
+        self._in_use -= int(freed.size)
+        fi._released = True
+        fi._ph_cache = None
+        if self._state is not None and freed.size:
+            _debug.on_release(self, freed)
+
+    def store(self, fi: FutureIndices, tokens: torch.Tensor) -> None:
+        """Enqueue ``slot <- token`` per row of ``fi`` on the current stream.
+
+        ``tokens``: ``[len(fi)]`` int32/int64 on the map's device. Works for every handle whose
+        slots are distinct; a handle that names a slot twice is rejected (no write-twice).
+        """
+        self._check_handle(fi, "store")
+        check_vector("tokens", tokens)
+        check_same_device("tokens", tokens, "the FutureMap", self.token_map)
+        if tokens.numel() != len(fi):
+            raise ValueError(f"store expects {len(fi)} tokens (one per slot), got {tokens.numel()}")
+        if fi._maybe_dups and np.unique(fi._slots).size != len(fi):
+            raise ValueError("store expects a handle with distinct slots, got one naming a slot twice")
+        if len(fi) == 0:
+            return
+        if self._state is not None:
+            _debug.on_store(self, fi._slots)
+        if tokens.is_cuda:
+            tokens.record_stream(torch.cuda.current_stream(tokens.device))
+        if fi._start >= 0:
+            store_futures(self.token_map, range(fi._start, fi._start + len(fi)), tokens)
+        else:
+            dev_slots = torch.from_numpy(fi._slots).to(self.device, non_blocking=True)
+            store_futures(self.token_map, dev_slots, tokens)
+
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """In place on the current stream, every negative id ``-s`` becomes slot ``s``'s token.
+
+        ``ids``: ``[n]`` int32/int64 on the map's device. A placeholder outside the map is never
+        read: it becomes 0 and is flagged; :meth:`check` (or the runtime's next sync) raises.
+        """
+        self._check_ids(ids)
+        if ids.is_cuda:
+            ids.record_stream(torch.cuda.current_stream(ids.device))
+        if self._state is not None:
+            _debug.before_read(self, ids)
+        resolve_futures_(ids, self.token_map, err=self.err)
+        if self._state is not None:
+            _debug.after_read(self, ids)
+        return ids
+
+    def prepare_inputs(
+        self,
+        tokens: torch.Tensor,
+        seg_starts: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        *,
+        n_rows: int | None = None,
+        out: PreparedInputs | None = None,
+    ) -> PreparedInputs:
+        """:func:`tfuture.kernels.resolve.prepare_inputs` against this map, with its checks."""
+        self._check_ids(tokens)
+        if self._state is not None:
+            _debug.before_read(self, tokens)
+        res = prepare_inputs(
+            tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err
+        )
+        if self._state is not None:
+            _debug.after_read(self, res.input_ids)
+        return res
+
+    def check(self) -> None:
+        """Host sync: raise :class:`FutureError` if a kernel flagged a bad placeholder."""
+        raise_if_flagged(self.err.tolist())
+        self.err.zero_()
+
+    def _retain(self, slots: np.ndarray, maybe_dups: bool) -> None:
+        refs = self._refs
+        if maybe_dups:
+            np.add.at(refs, slots, 1)
+        else:
+            refs[slots] += 1
+
+    def _check_handle(self, fi: object, what: str) -> None:
+        if not isinstance(fi, FutureIndices):
+            raise TypeError(f"{what} expects a FutureIndices, got {type(fi).__name__}")
+        if fi._map is not self:
+            raise ValueError(f"{what} expects a FutureIndices of this FutureMap, got a foreign one")
+        fi._check_live(what)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        check_vector("ids", ids)
+        check_same_device("ids", ids, "the FutureMap", self.token_map)
+
+
+def raise_if_flagged(err: Sequence[int]) -> None:
+    """Raise :class:`FutureError` for a host copy of a map's ``err`` flag that is set."""
+    count, worst = int(err[0]), int(err[1])
+    if count:
+        raise FutureError(
+            f"{count} placeholder(s) pointed outside the FutureMap (most negative: {worst}); "
+            "they were replaced by token 0 and never read"
+        )
