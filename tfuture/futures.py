@@ -14,7 +14,7 @@ Host bookkeeping is numpy over slot arrays (no per-slot Python loop, no host-dev
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -200,6 +200,9 @@ class FutureMap:
         self._in_use = 0
         self._head = 1
         self._state = _debug.new_state(self) if debug else None
+        # Where debug-mode device effects of alloc/release run; a runtime points it at its
+        # forward stream so they stay ordered with that stream's resolves and stores.
+        self.device_exec: Callable[[Callable[[], None]], None] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -246,7 +249,7 @@ class FutureMap:
             last = int(slots[-1])
             self._head = last + 1 if last < self.capacity else 1
         if self._state is not None and n:
-            _debug.on_alloc(self, slots)
+            self._on_device(lambda: _debug.on_alloc(self, slots))
         return FutureIndices(self, slots, start if n else -1, False)
 
     def release(self, fi: FutureIndices) -> None:
@@ -267,7 +270,7 @@ class FutureMap:
         fi._released = True
         fi._ph_cache = None
         if self._state is not None and freed.size:
-            _debug.on_release(self, freed)
+            self._on_device(lambda: _debug.on_release(self, freed))
 
     def store(self, fi: FutureIndices, tokens: torch.Tensor) -> None:
         """Enqueue ``slot <- token`` per row of ``fi`` on the current stream.
@@ -334,6 +337,12 @@ class FutureMap:
         """Host sync: raise :class:`FutureError` if a kernel flagged a bad placeholder."""
         raise_if_flagged(self.err.tolist())
         self.err.zero_()
+
+    def _on_device(self, fn: Callable[[], None]) -> None:
+        if self.device_exec is None:
+            fn()
+        else:
+            self.device_exec(fn)
 
     def _retain(self, slots: np.ndarray, maybe_dups: bool) -> None:
         refs = self._refs

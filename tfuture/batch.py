@@ -1,0 +1,118 @@
+"""Plain data exchanged between a scheduler, the runtime and a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tfuture.futures import FutureIndices
+
+
+def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        got = type(a).__name__ if not isinstance(a, np.ndarray) else f"{a.dtype} array of shape {a.shape}"
+        raise TypeError(f"Batch.{name} must be a 1-D integer numpy array, got {got}")
+    if n is not None and a.size != n:
+        raise ValueError(f"Batch.{name} must have {n} entries (one per request), got {a.size}")
+    return a.astype(np.int64, copy=False)
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """One step's work, built by the scheduler on the host.
+
+    Attributes:
+        tokens: ``[n_tokens]`` int host array, every request's new tokens back to back:
+            concrete ids (``>= 0``) and placeholders (``-slot``, from ``host_placeholders()``).
+        seg_lens: ``[n_reqs]`` tokens per request this step, each ``>= 1``.
+        prefix_lens: ``[n_reqs]`` tokens of each request already processed (its first position).
+        req_ids: ``[n_reqs]`` the scheduler's request ids (the model may use them).
+        sample: ``[n_reqs]`` bool, True where the request samples a token this step (a decode,
+            or the last chunk of a prefill). ``out`` gets one slot per sampling request, in order.
+        consumes: handles whose placeholders appear in ``tokens``. The runtime takes them over
+            and releases them once the step's resolve is enqueued.
+        delayed: sample only after the previous step's results were processed (a grammar mask).
+        tag: anything the scheduler wants back in the :class:`StepResult`.
+        out: set by the runtime at launch: the handle of this step's sampled tokens.
+    """
+
+    tokens: np.ndarray
+    seg_lens: np.ndarray
+    prefix_lens: np.ndarray
+    req_ids: np.ndarray
+    sample: np.ndarray
+    consumes: list[FutureIndices] = field(default_factory=list)
+    delayed: bool = False
+    tag: Any = None
+    out: FutureIndices | None = None
+
+    def __post_init__(self) -> None:
+        self.tokens = _int_vector("tokens", self.tokens)
+        self.seg_lens = _int_vector("seg_lens", self.seg_lens)
+        n = self.seg_lens.size
+        self.prefix_lens = _int_vector("prefix_lens", self.prefix_lens, n)
+        self.req_ids = _int_vector("req_ids", self.req_ids, n)
+        if not isinstance(self.sample, np.ndarray) or self.sample.dtype != np.bool_ or self.sample.size != n:
+            raise TypeError(f"Batch.sample must be a bool numpy array of {n} entries, got {self.sample!r}")
+        if n and self.seg_lens.min() < 1:
+            raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
+        if int(self.seg_lens.sum()) != self.tokens.size:
+            raise ValueError(
+                f"Batch.tokens must hold sum(seg_lens) = {int(self.seg_lens.sum())} ids, got {self.tokens.size}"
+            )
+
+    @property
+    def n_reqs(self) -> int:
+        return int(self.seg_lens.size)
+
+
+@dataclass(slots=True, frozen=True)
+class ForwardBatch:
+    """A step's device inputs, built on the forward stream by the fused input preparation.
+
+    ``input_ids [n_tokens]``, ``positions [n_tokens]`` int64, ``last_rows [n_reqs]`` int64 (the
+    row of each request's last token), ``req_ids`` and ``seq_lens`` (prefix + new) ``[n_reqs]``
+    int64, ``sample_reqs [n_sample]`` int64 (requests that sample, ascending).
+    """
+
+    step: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    last_rows: torch.Tensor
+    req_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    sample_reqs: torch.Tensor
+
+
+@dataclass(slots=True, eq=False)
+class StepResult:
+    """A finished step on the host: ``tokens [n_sample]`` int64, one per sampling request."""
+
+    step: int
+    batch: Batch
+    tokens: np.ndarray
+
+
+class Model(Protocol):
+    """What the runtime drives. Both methods run on the forward stream."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits (or anything ``sample`` takes) for the step; one row per request."""
+        ...
+
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
+        """``[n_sample]`` int token ids for ``batch.sample_reqs``; ``mask [n_sample, vocab]`` bool."""
+        ...
+
+
+class Scheduler(Protocol):
+    """The host side. ``schedule`` returns ``None`` when it has nothing to launch right now."""
+
+    def schedule(self) -> Batch | None: ...
+
+    def process(self, result: StepResult) -> None: ...
+
+    def build_mask(self, batch: Batch) -> np.ndarray | torch.Tensor | None: ...

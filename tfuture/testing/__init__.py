@@ -1,0 +1,26 @@
+"""Tools to test an overlap integration: toy models, a grammar, a driver, an equivalence check."""
+
+from tfuture.testing.driver import ContinuousBatcher, RequestSpec, random_workload
+from tfuture.testing.equivalence import (
+    EquivalenceReport,
+    assert_equivalent,
+    check_equivalence,
+    first_difference,
+    run_workload,
+)
+from tfuture.testing.toy import ToyGrammar, ToyModel, device_work, greedy_sample
+
+__all__ = [
+    "ContinuousBatcher",
+    "EquivalenceReport",
+    "RequestSpec",
+    "ToyGrammar",
+    "ToyModel",
+    "assert_equivalent",
+    "check_equivalence",
+    "device_work",
+    "first_difference",
+    "greedy_sample",
+    "random_workload",
+    "run_workload",
+]

@@ -1,0 +1,222 @@
+"""A small continuous-batching scheduler: arrivals, chunked prefill, decode, grammar, finish.
+
+It is the host side the runtime drives. Under overlap it schedules step N+1 before it has
+seen step N's tokens: a decode's input is then a placeholder from step N's ``out`` handle,
+and a request that finished at step N (end token) still runs in step N+1, whose token is
+discarded (the extra step). Requests that reach their length limit are known finished
+without seeing the token, so they get no extra step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tfuture.batch import Batch, StepResult
+from tfuture.futures import FutureIndices, FutureMap
+from tfuture.testing.toy import ToyGrammar
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request: id, arrival (in scheduler ticks), prompt, length limit, grammar or not."""
+
+    rid: int
+    arrival: int
+    prompt: np.ndarray
+    max_new: int
+    grammar: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    spec: RequestSpec
+    fed: int = 0  # prompt tokens already sent to the model
+    out: list[int] = field(default_factory=list)
+    pending: tuple[Batch, int] | None = None  # (batch, row in batch.out) of an unseen token
+    n_pending: int = 0  # launched but unprocessed sampled tokens
+    finished: bool = False
+    state: int = 0  # grammar state
+
+    @property
+    def known_len(self) -> int:
+        return self.fed + len(self.out) + self.n_pending
+
+    @property
+    def done_by_length(self) -> bool:
+        return len(self.out) + self.n_pending >= self.spec.max_new
+
+
+def random_workload(
+    seed: int,
+    n_requests: int,
+    *,
+    vocab: int = 64,
+    max_prompt: int = 24,
+    max_new: int = 24,
+    arrival_span: int = 20,
+    grammar_share: float = 0.0,
+) -> list[RequestSpec]:
+    """Seeded requests with random prompt lengths, limits and arrival ticks."""
+    rng = np.random.default_rng(seed)
+    specs = []
+    for rid in range(n_requests):
+        prompt = rng.integers(1, vocab, int(rng.integers(1, max_prompt + 1)), dtype=np.int64)
+        specs.append(
+            RequestSpec(
+                rid,
+                int(rng.integers(0, arrival_span + 1)),
+                prompt,
+                int(rng.integers(1, max_new + 1)),
+                bool(rng.random() < grammar_share),
+            )
+        )
+    return specs
+
+
+def spin(seconds: float) -> None:
+    """Busy host work that holds the GIL, like a Python scheduler's bookkeeping."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class ContinuousBatcher:
+    """Schedules ``specs`` onto a runtime: at most ``max_running`` requests, ``token_budget``
+    tokens per step, prompts in chunks of at most ``chunk`` tokens.
+
+    ``outputs[rid]`` holds each request's generated tokens (the end token included).
+    If the map cannot hold another step's slots, new prefills are held back (back-pressure).
+    ``host_work_s`` seconds of host work per processed step stand in for T_cpu: a sleep (like
+    work in C extensions that release the GIL), or with ``host_work_holds_gil`` a Python spin.
+    """
+
+    def __init__(
+        self,
+        specs: list[RequestSpec],
+        fmap: FutureMap,
+        *,
+        eos: int = 0,
+        max_running: int = 8,
+        chunk: int = 8,
+        token_budget: int = 32,
+        grammar: ToyGrammar | None = None,
+        host_work_s: float = 0.0,
+        host_work_holds_gil: bool = False,
+    ) -> None:
+        if any(s.grammar for s in specs) and grammar is None:
+            raise ValueError("a request asks for a grammar but no grammar was given")
+        self.fmap, self.eos, self.grammar = fmap, eos, grammar
+        self.max_running, self.chunk, self.token_budget = max_running, chunk, token_budget
+        self.host_work_s = host_work_s
+        self._host_work = spin if host_work_holds_gil else time.sleep
+        self.waiting = sorted(specs, key=lambda s: (s.arrival, s.rid))
+        self.running: list[_Req] = []
+        self.outputs: dict[int, list[int]] = {}
+        self.tick = 0
+        self.extra_tokens = 0  # tokens sampled for already-finished requests, then discarded
+
+    def schedule(self) -> Batch | None:
+        self.tick += 1
+        self.running = [r for r in self.running if not r.finished]
+        while self.waiting and len(self.running) < self.max_running and self.waiting[0].arrival <= self.tick:
+            self.running.append(_Req(self.waiting.pop(0)))
+        if not self.running and self.waiting:
+            # Idle until the next arrival: jump the clock instead of spinning.
+            self.tick = self.waiting[0].arrival - 1
+            return self.schedule()
+        rows: list[tuple[_Req, int, bool]] = []
+        budget, slots_left = self.token_budget, self.fmap.free
+        for r in self.running:
+            if r.fed < r.spec.prompt.size:
+                n = min(self.chunk, r.spec.prompt.size - r.fed, budget)
+                samples = r.fed + n == r.spec.prompt.size
+                if n <= 0 or (samples and slots_left < 1):
+                    continue
+            elif r.done_by_length:
+                continue
+            else:
+                if budget < 1 or slots_left < 1:
+                    continue
+                n, samples = 1, True
+            budget -= n
+            slots_left -= int(samples)
+            rows.append((r, n, samples))
+        if not rows:
+            return None
+        return self._build(rows)
+
+    def _build(self, rows: list[tuple[_Req, int, bool]]) -> Batch:
+        tokens: list[np.ndarray] = []
+        seg, prefix, rids, sample = [], [], [], []
+        by_batch: dict[int, tuple[Batch, list[int], list[int]]] = {}
+        for i, (r, n, samples) in enumerate(rows):
+            if r.fed < r.spec.prompt.size:
+                tokens.append(r.spec.prompt[r.fed : r.fed + n])
+                prefix.append(r.fed)
+                r.fed += n
+            else:
+                prefix.append(r.known_len - 1)
+                if r.pending is not None:
+                    b, row = r.pending
+                    entry = by_batch.setdefault(id(b), (b, [], []))
+                    entry[1].append(row)
+                    entry[2].append(i)
+                    tokens.append(np.zeros(1, dtype=np.int64))
+                else:
+                    tokens.append(np.array(r.out[-1:], dtype=np.int64))
+            seg.append(n)
+            rids.append(r.spec.rid)
+            sample.append(samples)
+        consumes: list[FutureIndices] = []
+        for b, out_rows, req_idx in by_batch.values():
+            assert b.out is not None
+            h = b.out.filter(np.asarray(out_rows, dtype=np.int64))
+            consumes.append(h)
+            for i, ph in zip(req_idx, h.host_placeholders(), strict=True):
+                tokens[i] = np.array([ph], dtype=np.int64)
+        batch = Batch(
+            np.concatenate(tokens),
+            np.asarray(seg, dtype=np.int64),
+            np.asarray(prefix, dtype=np.int64),
+            np.asarray(rids, dtype=np.int64),
+            np.asarray(sample, dtype=bool),
+            consumes=consumes,
+            tag=[r for r, _, s in rows if s],
+        )
+        batch.delayed = self.grammar is not None and any(r.spec.grammar for r in batch.tag)
+        for row, r in enumerate(batch.tag):
+            r.pending = (batch, row)
+            r.n_pending += 1
+        return batch
+
+    def process(self, result: StepResult) -> None:
+        if self.host_work_s > 0:
+            self._host_work(self.host_work_s)
+        for r, tok in zip(result.batch.tag, result.tokens.tolist(), strict=True):
+            r.n_pending -= 1
+            if r.pending is not None and r.pending[0] is result.batch:
+                r.pending = None
+            if r.finished:
+                self.extra_tokens += 1
+                continue
+            if r.spec.grammar and self.grammar is not None:
+                r.state = self.grammar.advance(r.state, tok)
+            r.out.append(tok)
+            if tok == self.eos or len(r.out) >= r.spec.max_new:
+                r.finished = True
+                self.outputs[r.spec.rid] = r.out
+
+    def build_mask(self, batch: Batch) -> np.ndarray:
+        assert self.grammar is not None
+        mask = np.ones((len(batch.tag), self.grammar.vocab), dtype=bool)
+        for i, r in enumerate(batch.tag):
+            if r.spec.grammar and not r.finished:
+                mask[i] = self.grammar.allowed[r.state]
+        return mask
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and all(r.finished for r in self.running)

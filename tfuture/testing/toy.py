@@ -1,0 +1,128 @@
+"""A deterministic integer toy model and a toy grammar (a finite automaton over token ids)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tfuture.batch import ForwardBatch
+
+_P = 2_147_483_647  # 2**31 - 1: every product below stays under 2**62, no int64 wrap
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """One round of an LCG-style mix on int64 values in [0, 2**31)."""
+    return (x * 1_103_515_245 + 12_345) % _P
+
+
+def device_work(seconds: float, device: torch.device, matmul: int = 0) -> None:
+    """Stand-in device work: sleep on the stream (CUDA ``_sleep`` / worker sleep), or a matmul."""
+    if matmul:
+        x = torch.ones(matmul, matmul, device=device)
+        (x @ x).sum()
+    if seconds <= 0:
+        return
+    if device.type == "cuda":
+        torch.cuda._sleep(int(seconds * 1.9e9))
+    else:
+        time.sleep(seconds)
+
+
+def greedy_sample(logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
+    """Argmax over each sampling request's logits row, after an optional bool allow-mask."""
+    rows = logits.index_select(0, batch.sample_reqs)
+    if mask is not None:
+        rows = rows.masked_fill(~mask, float("-inf"))
+    return rows.argmax(dim=-1)
+
+
+@dataclass
+class ToyModel:
+    """Next token = argmax of hash(previous token, its position, request id, v) over the vocab.
+
+    ``work_s`` seconds (or a ``matmul`` x ``matmul`` product) of device work per forward.
+    ``fail_at`` makes the forward of that step raise, for failure tests.
+    """
+
+    vocab: int = 64
+    work_s: float = 0.0
+    matmul: int = 0
+    fail_at: int | None = None
+    fail_sample_at: int | None = None
+    calls: int = field(default=0, init=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.calls += 1
+        if self.fail_at is not None and batch.step == self.fail_at:
+            raise RuntimeError(f"ToyModel: planted failure in forward of step {batch.step}")
+        dev = batch.input_ids.device
+        device_work(self.work_s, dev, self.matmul)
+        tok = batch.input_ids.index_select(0, batch.last_rows).to(torch.int64)
+        pos = batch.positions.index_select(0, batch.last_rows)
+        h = _mix(_mix(tok % _P + 7) + pos * 31 + batch.req_ids * 131)
+        v = torch.arange(self.vocab, device=dev, dtype=torch.int64)
+        scores = _mix(_mix(h[:, None] + v[None, :] * 2_654_435) % 65_521 + v[None, :])
+        # Below 2**24 every score is exact in float32, so argmax ties only on equal hashes.
+        return (scores % 16_777_213).to(torch.float32)
+
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.fail_sample_at is not None and batch.step == self.fail_sample_at:
+            raise RuntimeError(f"ToyModel: planted failure in sample of step {batch.step}")
+        return greedy_sample(logits, batch, mask)
+
+    def reference(self, prompt: np.ndarray, rid: int, n_new: int, eos: int | None = None) -> list[int]:
+        """Plain host-side generation (no batching, no futures), for end-to-end checks."""
+        seq, out = [int(t) for t in prompt], []
+        for _ in range(n_new):
+            ids = torch.tensor(seq[-1:], dtype=torch.int64)
+            fb = ForwardBatch(
+                0,
+                ids,
+                torch.tensor([len(seq) - 1]),
+                torch.tensor([0]),
+                torch.tensor([rid]),
+                torch.tensor([len(seq)]),
+                torch.tensor([0]),
+            )
+            tok = int(self.sample(self.forward(fb), fb, None)[0])
+            out.append(tok)
+            seq.append(tok)
+            if tok == eos:
+                break
+        return out
+
+
+class ToyGrammar:
+    """A seeded finite automaton over token ids: ``allowed[state]`` and ``next[state, token]``.
+
+    Every state allows at least two tokens. ``mask(states)`` is the host-built bool mask
+    ``[n, vocab]`` a delayed sample needs; ``accepts(tokens)`` replays a sequence.
+    """
+
+    def __init__(self, vocab: int, n_states: int = 5, seed: int = 0, density: float = 0.3) -> None:
+        rng = np.random.default_rng(seed)
+        self.vocab, self.n_states = vocab, n_states
+        allowed = rng.random((n_states, vocab)) < density
+        allowed[np.arange(n_states), rng.integers(0, vocab, n_states)] = True
+        allowed[np.arange(n_states), rng.integers(0, vocab, n_states)] = True
+        self.allowed = allowed
+        self.next = rng.integers(0, n_states, (n_states, vocab))
+
+    def mask(self, states: np.ndarray) -> np.ndarray:
+        return self.allowed[states]
+
+    def advance(self, state: int, token: int) -> int:
+        if not self.allowed[state, token]:
+            raise ValueError(f"token {token} is not allowed in grammar state {state}")
+        return int(self.next[state, token])
+
+    def accepts(self, tokens: list[int]) -> bool:
+        state = 0
+        for t in tokens:
+            if not self.allowed[state, t]:
+                return False
+            state = int(self.next[state, t])
+        return True
