@@ -268,8 +268,11 @@ class OverlapRuntime:
         tokens = rec.staging.tokens[: len(rec.out)].numpy().copy()
         result = StepResult(rec.step, rec.batch, tokens)
         self._inflight.remove(rec)
-        self.fmap.release(rec.out)
-        self._timed("process", lambda: scheduler.process(result))
+        try:
+            # The handle lives through process(), so the scheduler can still filter it.
+            self._timed("process", lambda: scheduler.process(result))
+        finally:
+            self.fmap.release(rec.out)
 
     def _abort(self) -> None:
         """Drain and stop the stream, then release every handle the runtime still holds."""
