@@ -19,6 +19,13 @@ test: $(STAMP)
 perf: $(STAMP)
 	$(PY) -m perf
 
+# The full soak: 100,000 steps on the CPU backend (make test runs a 5,000-step version).
+soak: $(STAMP)
+	$(PY) -m tfuture.testing.soak --steps 100000
+
+demo: $(STAMP)
+	$(PY) -m tfuture.demo
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tfuture tests perf
 	$(VENV)/bin/ruff format --check tfuture tests perf

@@ -1,8 +1,9 @@
 """Debug-mode slot state machine of a FutureMap, kept on the device.
 
 Per slot: FREE -> (alloc) ALLOCATED -> (store) WRITTEN -> (resolve) READ -> (release) FREE.
-A store needs ALLOCATED (else write-twice or write-after-release), a read needs WRITTEN or
-READ (else read-before-write or read-after-release). Released slots are poisoned with the
+A store needs ALLOCATED (else write-twice or write-after-release) and is read back (a store
+that wrote other slots fails), a read needs WRITTEN or READ (else read-before-write or
+read-after-release). Released slots are poisoned with the
 dtype's minimum, so any path that skips these checks still sees an out-of-range placeholder.
 Each check copies its verdict to the host: debug mode costs one sync per call.
 """
@@ -53,6 +54,17 @@ def on_store(fmap: FutureMap, slots: np.ndarray) -> None:
     if bool(bad.any()):
         _fail(fmap, "store", idx[bad], st[bad])
     state[idx] = WRITTEN
+
+
+def after_store(fmap: FutureMap, slots: np.ndarray, tokens: torch.Tensor) -> None:
+    """Read the slots back: a store that wrote other slots (handle confusion) fails here."""
+    from tfuture.futures import FutureError
+
+    idx = _dev(fmap, slots)
+    landed = fmap.token_map[idx] == tokens.to(fmap.dtype)
+    if not bool(landed.all()):
+        miss = idx[~landed]
+        raise FutureError(f"debug: store did not land in slot(s) {miss[:8].tolist()} ({miss.numel()} missed)")
 
 
 def before_read(fmap: FutureMap, ids: torch.Tensor) -> None:

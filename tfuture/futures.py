@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from tfuture import _debug
+from tfuture import _debug, _planted
+from tfuture.indices import FutureIndices
 from tfuture.kernels._common import ERR_LEN, INT_DTYPES, check_same_device, check_vector
 from tfuture.kernels.resolve import PreparedInputs, prepare_inputs, resolve_futures_
 from tfuture.kernels.store import store_futures
@@ -31,134 +32,6 @@ class FutureMapFull(RuntimeError):
 
 class FutureError(RuntimeError):
     """A device-side check failed: a bad placeholder, or (debug) a slot used out of order."""
-
-
-class FutureIndices:
-    """A handle on a set of future slots of one :class:`FutureMap`, one slot per row.
-
-    Rows keep their order. Build new handles with :meth:`filter` and :meth:`cat`; give every
-    handle back with :meth:`FutureMap.release`.
-    """
-
-    __slots__ = ("_map", "_slots", "_start", "_maybe_dups", "_released", "_ph_cache")
-
-    def __init__(self, fmap: FutureMap, slots: np.ndarray, start: int, maybe_dups: bool) -> None:
-        self._map = fmap
-        self._slots = slots
-        self._start = start  # first slot of a contiguous fresh run, or -1
-        self._maybe_dups = maybe_dups
-        self._released = False
-        self._ph_cache: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return int(self._slots.size)
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "live"
-        return f"FutureIndices(n={len(self)}, {state}, slots={self._slots[:8].tolist()}...)"
-
-    @property
-    def slots(self) -> np.ndarray:
-        """``[n]`` int64 host array (a read-only view) of the 1-based slot numbers."""
-        view = self._slots.view()
-        view.flags.writeable = False
-        return view
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    @property
-    def is_contiguous(self) -> bool:
-        """True for a fresh handle whose slots are one increasing run (stores need no index)."""
-        return self._start >= 0
-
-    def host_placeholders(self) -> np.ndarray:
-        """``[n]`` int64 host array of ``-slot``, for building a mixed token stream on the host."""
-        self._check_live("host_placeholders")
-        return -self._slots
-
-    def placeholders(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``[n]`` device tensor of ``-slot`` (default dtype: the map's), made without a sync.
-
-        The tensor is allocated on the current stream. Reading it on another stream needs
-        ``record_stream`` (the runtime does this for you).
-        """
-        self._check_live("placeholders")
-        dtype = self._map.dtype if dtype is None else dtype
-        cached = self._ph_cache
-        if cached is not None and cached.dtype == dtype:
-            return cached
-        dev, n = self._map.device, len(self)
-        if self._start >= 0:
-            ph = torch.arange(-self._start, -self._start - n, -1, dtype=dtype, device=dev)
-        else:
-            ph = torch.from_numpy(-self._slots).to(device=dev, dtype=dtype, non_blocking=True)
-        self._ph_cache = ph
-        return ph
-
-    def filter(self, keep: torch.Tensor | np.ndarray | Sequence[int] | Sequence[bool]) -> FutureIndices:
-        """A new handle on the rows picked by ``keep`` (a bool mask of ``len(self)`` or indices).
-
-        The new handle holds its own reference on its slots and must be released too. A device
-        ``keep`` is copied to the host (a sync); pass host masks on the hot path.
-        """
-        self._check_live("filter")
-        idx = _host_index(keep, len(self))
-        slots = self._slots[idx]
-        dups = self._maybe_dups or idx.dtype != np.bool_
-        self._map._retain(slots, dups)
-        return FutureIndices(self._map, slots, -1, dups)
-
-    @classmethod
-    def cat(cls, handles: Sequence[FutureIndices]) -> FutureIndices:
-        """Concatenate handles of one map, order kept; the result holds its own references."""
-        if isinstance(handles, FutureIndices) or not isinstance(handles, Sequence):
-            raise TypeError(f"cat expects a sequence of FutureIndices, got {type(handles).__name__}")
-        if not handles:
-            raise ValueError("cat expects at least one FutureIndices, got an empty sequence")
-        for h in handles:
-            if not isinstance(h, FutureIndices):
-                raise TypeError(f"cat expects FutureIndices, got {type(h).__name__}")
-            h._check_live("cat")
-        fmap = handles[0]._map
-        for h in handles[1:]:
-            if h._map is not fmap:
-                raise ValueError("cat expects handles of one FutureMap, got handles of two maps")
-        slots = np.concatenate([h._slots for h in handles])
-        dups = sum(1 for h in handles if len(h)) > 1 or any(h._maybe_dups for h in handles)
-        fmap._retain(slots, dups)
-        return cls(fmap, slots, -1, dups)
-
-    def _check_live(self, what: str) -> None:
-        if self._released:
-            raise ValueError(f"{what}: expected a live FutureIndices, got a released one")
-
-
-def _host_index(keep: object, n: int) -> np.ndarray:
-    """Validate ``keep`` and return it as a numpy bool mask or int64 index array."""
-    if isinstance(keep, torch.Tensor):
-        if keep.dim() != 1:
-            raise ValueError(f"keep must be 1-D, got shape {tuple(keep.shape)}")
-        arr = keep.detach().cpu().numpy()
-    elif isinstance(keep, np.ndarray | list | tuple | range):
-        arr = np.asarray(keep)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-    else:
-        raise TypeError(f"keep must be a bool mask or an int index tensor, got {type(keep).__name__}")
-    if arr.ndim != 1:
-        raise ValueError(f"keep must be 1-D, got shape {arr.shape}")
-    if arr.dtype == np.bool_:
-        if arr.size != n:
-            raise ValueError(f"keep as a bool mask must have {n} entries, got {arr.size}")
-        return arr
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"keep must be bool or integer, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (arr.min() < -n or arr.max() >= n):
-        raise ValueError(f"keep indices must lie in [-{n}, {n}), got {arr.min()}..{arr.max()}")
-    return arr
 
 
 class FutureMap:
@@ -200,6 +73,8 @@ class FutureMap:
         self._in_use = 0
         self._head = 1
         self._state = _debug.new_state(self) if debug else None
+        # debug: allocation generation per slot; a handle whose slot moved on is stale.
+        self._gen = np.zeros(self.capacity + 1, dtype=np.int64) if debug else None
         # Where debug-mode device effects of alloc/release run; a runtime points it at its
         # forward stream so they stay ordered with that stream's resolves and stores.
         self.device_exec: Callable[[Callable[[], None]], None] | None = None
@@ -248,15 +123,22 @@ class FutureMap:
         if n:
             last = int(slots[-1])
             self._head = last + 1 if last < self.capacity else 1
-        if self._state is not None and n:
-            self._on_device(lambda: _debug.on_alloc(self, slots))
-        return FutureIndices(self, slots, start if n else -1, False)
+        gens = None
+        if self._gen is not None:
+            self._gen[slots] += 1
+            gens = self._gen[slots]
+            if n:
+                self._on_device(lambda: _debug.on_alloc(self, slots))
+        return FutureIndices(self, slots, start if n else -1, False, gens)
 
     def release(self, fi: FutureIndices) -> None:
         """Drop ``fi``'s references; slots with no reference left become reusable."""
         self._check_handle(fi, "release")
         slots, refs = fi._slots, self._refs
-        if fi._start >= 0:
+        if "ignore_refcount" in _planted.ACTIVE:
+            freed = np.unique(slots[refs[slots] > 0])
+            refs[freed] = 0
+        elif fi._start >= 0:
             a, b = fi._start, fi._start + len(fi)
             refs[a:b] -= 1
             freed = np.arange(a, b)[refs[a:b] == 0]
@@ -291,11 +173,20 @@ class FutureMap:
             _debug.on_store(self, fi._slots)
         if tokens.is_cuda:
             tokens.record_stream(torch.cuda.current_stream(tokens.device))
-        if fi._start >= 0:
+        if "store_as_interval" in _planted.ACTIVE:
+            first = int(fi._slots[0])
+            store_futures(
+                self.token_map,
+                range(first, min(first + len(fi), self.capacity + 1)),
+                tokens[: self.capacity + 1 - first],
+            )
+        elif fi._start >= 0:
             store_futures(self.token_map, range(fi._start, fi._start + len(fi)), tokens)
         else:
             dev_slots = torch.from_numpy(fi._slots).to(self.device, non_blocking=True)
             store_futures(self.token_map, dev_slots, tokens)
+        if self._state is not None:
+            _debug.after_store(self, fi._slots, tokens)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """In place on the current stream, every negative id ``-s`` becomes slot ``s``'s token.
@@ -308,7 +199,10 @@ class FutureMap:
             ids.record_stream(torch.cuda.current_stream(ids.device))
         if self._state is not None:
             _debug.before_read(self, ids)
-        resolve_futures_(ids, self.token_map, err=self.err)
+        if "skip_resolve" in _planted.ACTIVE:
+            resolve_futures_(ids, self.token_map[:1])
+        else:
+            resolve_futures_(ids, self.token_map, err=self.err)
         if self._state is not None:
             _debug.after_read(self, ids)
         return ids
@@ -326,17 +220,30 @@ class FutureMap:
         self._check_ids(tokens)
         if self._state is not None:
             _debug.before_read(self, tokens)
-        res = prepare_inputs(
-            tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err
-        )
+        if "skip_resolve" in _planted.ACTIVE:
+            res = prepare_inputs(tokens, seg_starts, prefix_lens, self.token_map[:1], n_rows=n_rows, out=out)
+        else:
+            res = prepare_inputs(
+                tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err
+            )
         if self._state is not None:
             _debug.after_read(self, res.input_ids)
         return res
 
     def check(self) -> None:
         """Host sync: raise :class:`FutureError` if a kernel flagged a bad placeholder."""
-        raise_if_flagged(self.err.tolist())
+        flags = self.err.tolist()
         self.err.zero_()
+        raise_if_flagged(flags)
+
+    def _check_generations(self, fi: FutureIndices, what: str) -> None:
+        assert self._gen is not None and fi._gens is not None
+        stale = fi._slots[self._gen[fi._slots] != fi._gens]
+        if stale.size:
+            raise FutureError(
+                f"debug: {what} of a handle whose slot {int(stale[0])} was handed out again while the "
+                f"handle still names it ({stale.size} stale slot(s)): a ring overrun or an early release"
+            )
 
     def _on_device(self, fn: Callable[[], None]) -> None:
         if self.device_exec is None:

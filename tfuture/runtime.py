@@ -9,33 +9,26 @@ stream hands back only ``FutureIndices`` (``batch.out``) and the event-gated hos
 
 from __future__ import annotations
 
+import gc
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
+from tfuture import _planted
 from tfuture.batch import Batch, ForwardBatch, Model, Scheduler, StepResult
+from tfuture.faults import FaultPlan
 from tfuture.futures import FutureError, FutureIndices, FutureMap, FutureMapFull, raise_if_flagged
+from tfuture.staging import Staging, StagingRing
 from tfuture.streams import Delay, ForwardStream, Marker, Span, make_stream
 from tfuture.trace import RunStats
 
-__all__ = [
-    "FutureError",
-    "FutureIndices",
-    "FutureMap",
-    "FutureMapFull",
-    "OverlapRuntime",
-]
+__all__ = ["FutureError", "FutureIndices", "FutureMap", "FutureMapFull", "OverlapRuntime"]
 
-
-@dataclass(slots=True, eq=False)
-class _Staging:
-    """A host buffer for one step's D2H copy; reusable only once ``marker`` has completed."""
-
-    tokens: torch.Tensor
-    err: torch.Tensor
-    marker: Marker | None = None
+T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
@@ -45,14 +38,13 @@ class _InFlight:
     step: int
     batch: Batch
     out: FutureIndices
-    host_inputs: torch.Tensor
+    inputs: Staging
     fwd: ForwardBatch | None = None
     logits: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
     mask: torch.Tensor | None = None
-    staging: _Staging | None = None
+    staging: Staging | None = None
     copy_done: Marker | None = None
-    keep: list[torch.Tensor] = field(default_factory=list)
 
 
 class OverlapRuntime:
@@ -63,7 +55,10 @@ class OverlapRuntime:
         fmap: the future map; its device picks the backend (CUDA streams or a CPU worker).
         overlap: False runs the same steps one at a time (sync mode) for A/B comparison.
         delay: ``delay(op_name) -> seconds`` injected before each forward-stream op.
+        faults: a :class:`tfuture.faults.FaultPlan` (delays, gc, exceptions); its delays are
+            used when ``delay`` is not given.
         trace: record per-op spans for bubble accounting and the Chrome trace.
+        n_staging: host staging buffers per direction (at least 3: two steps in flight).
     """
 
     def __init__(
@@ -73,6 +68,7 @@ class OverlapRuntime:
         *,
         overlap: bool = True,
         delay: Delay | None = None,
+        faults: FaultPlan | None = None,
         trace: bool = True,
         n_staging: int = 4,
     ) -> None:
@@ -80,14 +76,11 @@ class OverlapRuntime:
             raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
         if n_staging < 3:
             raise ValueError(f"n_staging must be >= 3 (two steps in flight plus one), got {n_staging}")
-        self.model, self.fmap, self.overlap = model, fmap, overlap
-        self.delay, self.trace = delay, trace
+        self.model, self.fmap, self.overlap, self.faults, self.trace = model, fmap, overlap, faults, trace
+        self.delay = delay if delay is not None or faults is None else faults.delay
         pin = fmap.device.type == "cuda"
-        self._staging = [
-            _Staging(torch.zeros(0, dtype=torch.int64, pin_memory=pin), torch.zeros(2, dtype=torch.int64, pin_memory=pin))
-            for _ in range(n_staging)
-        ]
-        self._next_staging = 0
+        self._in_ring = StagingRing(n_staging, pin, "no_input_keepalive")
+        self._out_ring = StagingRing(n_staging, pin, "staging_no_wait")
         self._stream: ForwardStream | None = None
         self._step = 0
         self._inflight: list[_InFlight] = []
@@ -108,13 +101,13 @@ class OverlapRuntime:
         try:
             loop = self._loop_overlap if self.overlap else self._loop_sync
             stats.steps = loop(scheduler, max_steps)
-            self._stream.close()
+            stream.close()
         except BaseException:
             self._abort()
             raise
         finally:
             stats.wall = time.perf_counter() - t0
-            stats.device_spans = self._stream.take_spans()
+            stats.device_spans = stream.take_spans()
             stats.host_spans = self._host_spans
             stats.account()
             self.fmap.device_exec = None
@@ -123,10 +116,14 @@ class OverlapRuntime:
 
     def _loop_overlap(self, scheduler: Scheduler, max_steps: int | None) -> int:
         prev: _InFlight | None = None
+        late: _InFlight | None = None  # planted defect: a delayed sample launched one step late
         steps = 0
         while max_steps is None or steps < max_steps:
-            batch = self._timed("schedule", scheduler.schedule)
+            batch = self._host("schedule", self._step, scheduler.schedule)
             if batch is None:
+                if late is not None:
+                    self._launch_sample(late, scheduler.build_mask(late.batch))
+                    late = None
                 if prev is None:
                     break
                 self._finish(prev, scheduler)
@@ -134,11 +131,23 @@ class OverlapRuntime:
                 continue
             cur = self._launch(batch)
             steps += 1
+            if late is not None:
+                self._launch_sample(
+                    late, self._host("build_mask", late.step, lambda: scheduler.build_mask(late.batch))
+                )
+                late = None
             if prev is not None:
                 self._finish(prev, scheduler)
             if batch.delayed:
-                self._launch_sample(cur, self._timed("mask", lambda: scheduler.build_mask(batch)))
+                if "late_delayed_sample" in _planted.ACTIVE:
+                    late = cur
+                else:
+                    self._launch_sample(
+                        cur, self._host("build_mask", cur.step, lambda: scheduler.build_mask(batch))
+                    )
             prev = cur
+        if late is not None:
+            self._launch_sample(late, scheduler.build_mask(late.batch))
         if prev is not None:
             self._finish(prev, scheduler)
         return steps
@@ -146,23 +155,42 @@ class OverlapRuntime:
     def _loop_sync(self, scheduler: Scheduler, max_steps: int | None) -> int:
         steps = 0
         while max_steps is None or steps < max_steps:
-            batch = self._timed("schedule", scheduler.schedule)
+            batch = self._host("schedule", self._step, scheduler.schedule)
             if batch is None:
                 break
             cur = self._launch(batch)
             steps += 1
             if batch.delayed:
-                self._launch_sample(cur, self._timed("mask", lambda: scheduler.build_mask(batch)))
+                self._launch_sample(
+                    cur, self._host("build_mask", cur.step, lambda: scheduler.build_mask(batch))
+                )
             self._finish(cur, scheduler)
         return steps
 
-    def _timed(self, name: str, fn):  # type: ignore[no-untyped-def]
+    def _host(self, name: str, step: int, fn: Callable[[], T]) -> T:
+        """Run a host-side phase: fault check, then ``fn``, timed for the trace."""
         start = time.perf_counter()
         try:
+            if self.faults is not None:
+                self.faults.check(name, step)
             return fn()
         finally:
             if self.trace:
-                self._host_spans.append(Span(name, self._step, start, time.perf_counter()))
+                self._host_spans.append(Span(name, step, start, time.perf_counter()))
+
+    def _submit(self, name: str, step: int, fn: Callable[[], None]) -> None:
+        """Enqueue ``fn`` on the forward stream, behind the fault plan's check."""
+        assert self._stream is not None
+        faults = self.faults
+        if faults is None:
+            self._stream.submit(name, step, fn)
+            return
+
+        def checked() -> None:
+            faults.check(name, step)
+            fn()
+
+        self._stream.submit(name, step, checked)
 
     def _launch(self, batch: Batch) -> _InFlight:
         """Enqueue prepare and forward (and sample unless delayed) for ``batch``; no host sync."""
@@ -171,28 +199,45 @@ class OverlapRuntime:
             raise TypeError(f"schedule() must return a Batch or None, got {type(batch).__name__}")
         if batch.out is not None:
             raise ValueError("schedule() returned a Batch that was already launched")
+        stream = self._stream
+        assert stream is not None
         sample_reqs = np.flatnonzero(batch.sample)
+        n_tok, n_req = batch.tokens.size, batch.n_reqs
+        total = n_tok + 4 * n_req + 1 + sample_reqs.size
         try:
+            staging = self._in_ring.acquire(total, stream)
             out = self.fmap.alloc(sample_reqs.size)
         except BaseException:
             self._release_all(batch.consumes)
             raise
         batch.out = out
-        n_tok, n_req = batch.tokens.size, batch.n_reqs
-        seg_starts = np.zeros(n_req + 1, dtype=np.int64)
-        np.cumsum(batch.seg_lens, out=seg_starts[1:])
-        seq_lens = batch.prefix_lens + batch.seg_lens
-        # One host array and one H2D copy for all of the step's index data.
-        packed = np.concatenate([batch.tokens, seg_starts, batch.prefix_lens, batch.req_ids, seq_lens, sample_reqs])
-        rec = _InFlight(self._step, batch, out, torch.from_numpy(packed))
+        # One host buffer and one H2D copy for all of the step's index data.
+        parts = [
+            batch.tokens,
+            None,
+            batch.prefix_lens,
+            batch.req_ids,
+            batch.prefix_lens + batch.seg_lens,
+            sample_reqs,
+        ]
+        host = staging.data.numpy()
+        cuts = np.cumsum([0, n_tok, n_req + 1, n_req, n_req, n_req, sample_reqs.size])
+        host[cuts[1]] = 0
+        np.cumsum(batch.seg_lens, out=host[cuts[1] + 1 : cuts[2]])
+        for i, part in enumerate(parts):
+            if part is not None:
+                host[cuts[i] : cuts[i + 1]] = part
+        rec = _InFlight(self._step, batch, out, staging)
         self._step += 1
         self._inflight.append(rec)
         fmap, model, dev = self.fmap, self.model, self.fmap.device
-        cuts = np.cumsum([n_tok, n_req + 1, n_req, n_req, n_req])
+        split = cuts[1:-1].tolist()
+        data = staging.data[:total]
 
         def prepare() -> None:
-            dev_in = rec.host_inputs.to(dev, non_blocking=True)
-            tokens, seg, prefix, rids, lens, sreq = torch.tensor_split(dev_in, cuts.tolist())
+            # A real copy on every backend: the step must not alias the reusable host buffer.
+            dev_in = data.to(dev, non_blocking=True, copy=True)
+            tokens, seg, prefix, rids, lens, sreq = torch.tensor_split(dev_in, split)
             inputs = fmap.prepare_inputs(tokens, seg, prefix)
             rec.fwd = ForwardBatch(rec.step, *inputs, rids, lens, sreq)
 
@@ -200,10 +245,9 @@ class OverlapRuntime:
             assert rec.fwd is not None
             rec.logits = model.forward(rec.fwd)
 
-        stream = self._stream
-        assert stream is not None
-        stream.submit("prepare", rec.step, prepare)
-        stream.submit("forward", rec.step, forward)
+        self._submit("prepare", rec.step, prepare)
+        staging.marker = stream.record()
+        self._submit("forward", rec.step, forward)
         # The resolve that reads these placeholders is enqueued: stream order protects them.
         self._release_all(batch.consumes)
         if not batch.delayed:
@@ -222,8 +266,8 @@ class OverlapRuntime:
                     f"build_mask must return a bool [n_sample={n}, vocab] mask, got "
                     f"{rec.mask.dtype} of shape {tuple(rec.mask.shape)}"
                 )
-        staging = self._acquire_staging(n)
-        rec.staging = staging
+        assert self._stream is not None
+        staging = rec.staging = self._out_ring.acquire(n + 2, self._stream)
         fmap, model, dev = self.fmap, self.model, self.fmap.device
 
         def sample() -> None:
@@ -233,46 +277,43 @@ class OverlapRuntime:
             if not isinstance(tokens, torch.Tensor) or tokens.shape != (n,):
                 got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
                 raise ValueError(f"sample must return [{n}] token ids, got {got}")
-            fmap.store(rec.out, tokens)
             rec.sampled = tokens
+
+        def store() -> None:
+            assert rec.sampled is not None
+            fmap.store(rec.out, rec.sampled)
 
         def copy() -> None:
             assert rec.sampled is not None
-            staging.tokens[:n].copy_(rec.sampled, non_blocking=True)
-            staging.err.copy_(fmap.err, non_blocking=True)
+            staging.data[:n].copy_(rec.sampled, non_blocking=True)
+            staging.data[n : n + 2].copy_(fmap.err, non_blocking=True)
             fmap.err.zero_()
 
-        stream = self._stream
-        assert stream is not None
-        stream.submit("sample", rec.step, sample)
-        stream.submit("copy", rec.step, copy)
-        rec.copy_done = staging.marker = stream.record()
-
-    def _acquire_staging(self, n: int) -> _Staging:
-        staging = self._staging[self._next_staging]
-        self._next_staging = (self._next_staging + 1) % len(self._staging)
-        # Reuse only after the copy that last wrote this buffer has completed.
-        if staging.marker is not None and self._stream is not None:
-            self._stream.wait(staging.marker)
-        if staging.tokens.numel() < n:
-            pin = self.fmap.device.type == "cuda"
-            staging.tokens = torch.zeros(max(n, 2 * staging.tokens.numel()), dtype=torch.int64, pin_memory=pin)
-        return staging
+        self._submit("sample", rec.step, sample)
+        self._submit("store", rec.step, store)
+        self._submit("copy", rec.step, copy)
+        rec.copy_done = staging.marker = self._stream.record()
 
     def _finish(self, rec: _InFlight, scheduler: Scheduler) -> None:
         """Wait for ``rec``'s copy, check the error flag, hand the tokens to the scheduler."""
         stream = self._stream
         assert stream is not None and rec.copy_done is not None and rec.staging is not None
-        self._timed("wait", lambda: stream.wait(rec.copy_done))
-        raise_if_flagged(rec.staging.err.tolist())
-        tokens = rec.staging.tokens[: len(rec.out)].numpy().copy()
-        result = StepResult(rec.step, rec.batch, tokens)
+        if self.faults is not None and (pause := self.faults.host_delay()) > 0:
+            time.sleep(pause)
+        marker = rec.copy_done
+        self._host("wait", rec.step, lambda: stream.wait(marker))
+        n = len(rec.out)
+        host = rec.staging.data[: n + 2].numpy().copy()
+        raise_if_flagged(host[n:])
+        result = StepResult(rec.step, rec.batch, host[:n])
         self._inflight.remove(rec)
         try:
             # The handle lives through process(), so the scheduler can still filter it.
-            self._timed("process", lambda: scheduler.process(result))
+            self._host("process", rec.step, lambda: scheduler.process(result))
         finally:
             self.fmap.release(rec.out)
+        if self.faults is not None and self.faults.gc_every_step:
+            gc.collect()
 
     def _abort(self) -> None:
         """Drain and stop the stream, then release every handle the runtime still holds."""

@@ -1,0 +1,154 @@
+"""``FutureIndices``: a handle on future slots of one FutureMap (see :mod:`tfuture.futures`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from tfuture.futures import FutureMap
+
+
+class FutureIndices:
+    """A handle on a set of future slots of one :class:`FutureMap`, one slot per row.
+
+    Rows keep their order. Build new handles with :meth:`filter` and :meth:`cat`; give every
+    handle back with :meth:`FutureMap.release`.
+    """
+
+    __slots__ = ("_gens", "_map", "_maybe_dups", "_ph_cache", "_released", "_slots", "_start")
+
+    def __init__(
+        self,
+        fmap: FutureMap,
+        slots: np.ndarray,
+        start: int,
+        maybe_dups: bool,
+        gens: np.ndarray | None = None,
+    ) -> None:
+        self._map = fmap
+        self._gens = gens  # debug: each slot's allocation generation when this handle was made
+        self._slots = slots
+        self._start = start  # first slot of a contiguous fresh run, or -1
+        self._maybe_dups = maybe_dups
+        self._released = False
+        self._ph_cache: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self._slots.size)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "live"
+        return f"FutureIndices(n={len(self)}, {state}, slots={self._slots[:8].tolist()}...)"
+
+    @property
+    def slots(self) -> np.ndarray:
+        """``[n]`` int64 host array (a read-only view) of the 1-based slot numbers."""
+        view = self._slots.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True for a fresh handle whose slots are one increasing run (stores need no index)."""
+        return self._start >= 0
+
+    def host_placeholders(self) -> np.ndarray:
+        """``[n]`` int64 host array of ``-slot``, for building a mixed token stream on the host."""
+        self._check_live("host_placeholders")
+        return -self._slots
+
+    def placeholders(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[n]`` device tensor of ``-slot`` (default dtype: the map's), made without a sync.
+
+        The tensor is allocated on the current stream. Reading it on another stream needs
+        ``record_stream`` (the runtime does this for you).
+        """
+        self._check_live("placeholders")
+        dtype = self._map.dtype if dtype is None else dtype
+        cached = self._ph_cache
+        if cached is not None and cached.dtype == dtype:
+            return cached
+        dev, n = self._map.device, len(self)
+        if self._start >= 0:
+            ph = torch.arange(-self._start, -self._start - n, -1, dtype=dtype, device=dev)
+        else:
+            ph = torch.from_numpy(-self._slots).to(device=dev, dtype=dtype, non_blocking=True)
+        self._ph_cache = ph
+        return ph
+
+    def filter(self, keep: torch.Tensor | np.ndarray | Sequence[int] | Sequence[bool]) -> FutureIndices:
+        """A new handle on the rows picked by ``keep`` (a bool mask of ``len(self)`` or indices).
+
+        The new handle holds its own reference on its slots and must be released too. A device
+        ``keep`` is copied to the host (a sync); pass host masks on the hot path.
+        """
+        self._check_live("filter")
+        idx = _host_index(keep, len(self))
+        slots = self._slots[idx]
+        dups = self._maybe_dups or idx.dtype != np.bool_
+        self._map._retain(slots, dups)
+        gens = None if self._gens is None else self._gens[idx]
+        return FutureIndices(self._map, slots, -1, dups, gens)
+
+    @classmethod
+    def cat(cls, handles: Sequence[FutureIndices]) -> FutureIndices:
+        """Concatenate handles of one map, order kept; the result holds its own references."""
+        if isinstance(handles, FutureIndices) or not isinstance(handles, Sequence):
+            raise TypeError(f"cat expects a sequence of FutureIndices, got {type(handles).__name__}")
+        if not handles:
+            raise ValueError("cat expects at least one FutureIndices, got an empty sequence")
+        for h in handles:
+            if not isinstance(h, FutureIndices):
+                raise TypeError(f"cat expects FutureIndices, got {type(h).__name__}")
+            h._check_live("cat")
+        fmap = handles[0]._map
+        for h in handles[1:]:
+            if h._map is not fmap:
+                raise ValueError("cat expects handles of one FutureMap, got handles of two maps")
+        slots = np.concatenate([h._slots for h in handles])
+        dups = sum(1 for h in handles if len(h)) > 1 or any(h._maybe_dups for h in handles)
+        fmap._retain(slots, dups)
+        gens = None
+        if all(h._gens is not None for h in handles):
+            gens = np.concatenate([h._gens for h in handles])  # type: ignore[misc]
+        return cls(fmap, slots, -1, dups, gens)
+
+    def _check_live(self, what: str) -> None:
+        if self._released:
+            raise ValueError(f"{what}: expected a live FutureIndices, got a released one")
+        if self._gens is not None:
+            self._map._check_generations(self, what)
+
+
+def _host_index(keep: object, n: int) -> np.ndarray:
+    """Validate ``keep`` and return it as a numpy bool mask or int64 index array."""
+    if isinstance(keep, torch.Tensor):
+        if keep.dim() != 1:
+            raise ValueError(f"keep must be 1-D, got shape {tuple(keep.shape)}")
+        arr = keep.detach().cpu().numpy()
+    elif isinstance(keep, np.ndarray | list | tuple | range):
+        arr = np.asarray(keep)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+    else:
+        raise TypeError(f"keep must be a bool mask or an int index tensor, got {type(keep).__name__}")
+    if arr.ndim != 1:
+        raise ValueError(f"keep must be 1-D, got shape {arr.shape}")
+    if arr.dtype == np.bool_:
+        if arr.size != n:
+            raise ValueError(f"keep as a bool mask must have {n} entries, got {arr.size}")
+        return arr
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"keep must be bool or integer, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < -n or arr.max() >= n):
+        raise ValueError(f"keep indices must lie in [-{n}, {n}), got {arr.min()}..{arr.max()}")
+    return arr

@@ -1,0 +1,47 @@
+"""Host staging buffers for the runtime's copies, reused only after the copy that used them.
+
+A step packs its index data into an input buffer that the forward stream copies to the
+device, and gets its sampled tokens back into an output buffer. On CUDA both are pinned, so
+the copies are truly asynchronous, and that makes reuse dangerous: a buffer is handed out
+again only after the stream passed the marker recorded after the copy that last used it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tfuture import _planted
+from tfuture.streams import ForwardStream, Marker
+
+
+@dataclass(slots=True, eq=False)
+class Staging:
+    """One host buffer ``data`` (int64) and the marker of the copy that last used it."""
+
+    data: torch.Tensor
+    marker: Marker | None = None
+
+
+class StagingRing:
+    """``size`` host buffers handed out in turn; pinned when ``pin`` (CUDA)."""
+
+    def __init__(self, size: int, pin: bool, planted: str) -> None:
+        self.pin = pin
+        self._bufs = [Staging(torch.zeros(64, dtype=torch.int64, pin_memory=pin)) for _ in range(size)]
+        self._next = 0
+        self._planted = planted  # the defect that skips this ring's wait, for mutation tests
+
+    def acquire(self, n: int, stream: ForwardStream) -> Staging:
+        """A buffer of at least ``n`` elements whose previous copy has completed."""
+        if self._planted in _planted.ACTIVE:
+            buf = self._bufs[0]  # the defect: always the same buffer, never waited for
+        else:
+            buf = self._bufs[self._next]
+            self._next = (self._next + 1) % len(self._bufs)
+            if buf.marker is not None:
+                stream.wait(buf.marker)
+        if buf.data.numel() < n:
+            buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
+        return buf
