@@ -60,9 +60,8 @@ class Batch:
         if n and self.seg_lens.min() < 1:
             raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
         if int(self.seg_lens.sum()) != self.tokens.size:
-            raise ValueError(
-                f"Batch.tokens must hold sum(seg_lens) = {int(self.seg_lens.sum())} ids, got {self.tokens.size}"
-            )
+            want = int(self.seg_lens.sum())
+            raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {self.tokens.size}")
 
     @property
     def n_reqs(self) -> int:

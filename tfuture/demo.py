@@ -56,17 +56,25 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     t_dev = args.t_dev / 1e3
     print(f"device={args.device} batch={args.batch} steps={args.steps} host work holds GIL={args.gil}")
-    head = f"{'T_cpu/T_dev':>11} {'sync ms':>8} {'overlap ms':>10} {'max(Tc,Td)':>10} {'speedup':>7} {'idle sync':>9} {'idle ovl':>8}"
-    print(head)
+    cols = ["T_cpu/T_dev", "sync ms", "overlap ms", "max(Tc,Td)", "speedup", "idle sync", "idle ovl"]
+    print(" ".join(f"{c:>11}" for c in cols))
     for i, ratio in enumerate(float(r) for r in args.ratios.split(",")):
-        sync, over = measure(t_dev, ratio * t_dev, batch=args.batch, steps=args.steps, device=args.device, gil=args.gil)
+        sync, over = measure(
+            t_dev, ratio * t_dev, batch=args.batch, steps=args.steps, device=args.device, gil=args.gil
+        )
         # Ideal: the larger of the measured device time per step and the host time per step.
         t_dev_meas = sync.device_busy / max(sync.steps, 1)
         ideal = max(t_dev_meas, sync.step_time - t_dev_meas)
-        print(
-            f"{ratio:11.2f} {sync.step_time * 1e3:8.3f} {over.step_time * 1e3:10.3f} {ideal * 1e3:10.3f} "
-            f"{sync.step_time / over.step_time:7.2f} {100 * sync.idle_fraction:8.1f}% {100 * over.idle_fraction:7.1f}%"
-        )
+        row = [
+            f"{ratio:.2f}",
+            f"{sync.step_time * 1e3:.3f}",
+            f"{over.step_time * 1e3:.3f}",
+            f"{ideal * 1e3:.3f}",
+            f"{sync.step_time / over.step_time:.2f}x",
+            f"{100 * sync.idle_fraction:.1f}%",
+            f"{100 * over.idle_fraction:.1f}%",
+        ]
+        print(" ".join(f"{c:>11}" for c in row))
         if i == 0 and args.trace:
             over.write_chrome_trace(args.trace)
     if args.trace:

@@ -61,20 +61,20 @@ class FutureMap:
             raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.capacity = int(capacity)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        self.debug = bool(debug)
-        self.token_map = torch.zeros(self.capacity + 1, dtype=dtype, device=self.device)
-        self.err = torch.zeros(ERR_LEN, dtype=torch.int64, device=self.device)
+        self.capacity: int = int(capacity)
+        self.device: torch.device = torch.device(device)
+        self.dtype: torch.dtype = dtype
+        self.debug: bool = bool(debug)
+        self.token_map: torch.Tensor = torch.zeros(self.capacity + 1, dtype=dtype, device=self.device)
+        self.err: torch.Tensor = torch.zeros(ERR_LEN, dtype=torch.int64, device=self.device)
         # refs[s] = live handles naming slot s; slot 0 is pinned so it is never free.
-        self._refs = np.zeros(self.capacity + 1, dtype=np.int32)
+        self._refs: np.ndarray = np.zeros(self.capacity + 1, dtype=np.int32)
         self._refs[0] = 1
-        self._in_use = 0
-        self._head = 1
-        self._state = _debug.new_state(self) if debug else None
+        self._in_use: int = 0
+        self._head: int = 1
+        self._state: torch.Tensor | None = _debug.new_state(self) if debug else None
         # debug: allocation generation per slot; a handle whose slot moved on is stale.
-        self._gen = np.zeros(self.capacity + 1, dtype=np.int64) if debug else None
+        self._gen: np.ndarray | None = np.zeros(self.capacity + 1, dtype=np.int64) if debug else None
         # Where debug-mode device effects of alloc/release run; a runtime points it at its
         # forward stream so they stay ordered with that stream's resolves and stores.
         self.device_exec: Callable[[Callable[[], None]], None] | None = None
@@ -270,7 +270,7 @@ class FutureMap:
         check_same_device("ids", ids, "the FutureMap", self.token_map)
 
 
-def raise_if_flagged(err: Sequence[int]) -> None:
+def raise_if_flagged(err: Sequence[int] | np.ndarray) -> None:
     """Raise :class:`FutureError` for a host copy of a map's ``err`` flag that is set."""
     count, worst = int(err[0]), int(err[1])
     if count:

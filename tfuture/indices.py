@@ -118,7 +118,7 @@ class FutureIndices:
         fmap._retain(slots, dups)
         gens = None
         if all(h._gens is not None for h in handles):
-            gens = np.concatenate([h._gens for h in handles])  # type: ignore[misc]
+            gens = np.concatenate([h._gens for h in handles])
         return cls(fmap, slots, -1, dups, gens)
 
     def _check_live(self, what: str) -> None:

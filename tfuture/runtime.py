@@ -122,7 +122,7 @@ class OverlapRuntime:
             batch = self._host("schedule", self._step, scheduler.schedule)
             if batch is None:
                 if late is not None:
-                    self._launch_sample(late, scheduler.build_mask(late.batch))
+                    self._delayed_sample(scheduler, late)
                     late = None
                 if prev is None:
                     break
@@ -132,9 +132,7 @@ class OverlapRuntime:
             cur = self._launch(batch)
             steps += 1
             if late is not None:
-                self._launch_sample(
-                    late, self._host("build_mask", late.step, lambda: scheduler.build_mask(late.batch))
-                )
+                self._delayed_sample(scheduler, late)
                 late = None
             if prev is not None:
                 self._finish(prev, scheduler)
@@ -142,12 +140,10 @@ class OverlapRuntime:
                 if "late_delayed_sample" in _planted.ACTIVE:
                     late = cur
                 else:
-                    self._launch_sample(
-                        cur, self._host("build_mask", cur.step, lambda: scheduler.build_mask(batch))
-                    )
+                    self._delayed_sample(scheduler, cur)
             prev = cur
         if late is not None:
-            self._launch_sample(late, scheduler.build_mask(late.batch))
+            self._delayed_sample(scheduler, late)
         if prev is not None:
             self._finish(prev, scheduler)
         return steps
@@ -161,11 +157,13 @@ class OverlapRuntime:
             cur = self._launch(batch)
             steps += 1
             if batch.delayed:
-                self._launch_sample(
-                    cur, self._host("build_mask", cur.step, lambda: scheduler.build_mask(batch))
-                )
+                self._delayed_sample(scheduler, cur)
             self._finish(cur, scheduler)
         return steps
+
+    def _delayed_sample(self, scheduler: Scheduler, rec: _InFlight) -> None:
+        """Build the mask on the host (the previous step is processed), then launch the sample."""
+        self._launch_sample(rec, self._host("build_mask", rec.step, lambda: scheduler.build_mask(rec.batch)))
 
     def _host(self, name: str, step: int, fn: Callable[[], T]) -> T:
         """Run a host-side phase: fault check, then ``fn``, timed for the trace."""
@@ -321,8 +319,8 @@ class OverlapRuntime:
         if stream is not None:
             try:
                 stream.wait(stream.record())
-            except BaseException:  # noqa: S110 - the first failure is the one that re-raises
-                pass
+            except BaseException:
+                pass  # the first failure is the one that re-raises
             stream.close()
         self.fmap.device_exec = None
         for rec in self._inflight:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import queue
 import sys
-from abc import ABC, abstractmethod
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -82,7 +82,7 @@ class ForwardStream(ABC):
     def wait(self, marker: Marker) -> None:
         """Backend-specific."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op is right for backends with nothing to stop
         """Drain the stream and stop; idempotent."""
 
     def take_spans(self) -> list[Span]:

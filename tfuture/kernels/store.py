@@ -47,9 +47,7 @@ def _store_kernel(
         tl.atomic_min(err_ptr + 1 + zero, -slots, mask=bad)
 
 
-def _check_store_args(
-    token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor
-) -> int:
+def _check_store_args(token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor) -> int:
     check_vector("token_map", token_map)
     check_vector("values", values)
     check_same_device("values", values, "token_map", token_map)

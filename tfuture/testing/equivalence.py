@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def run_workload(
     delay: Delay | None = None,
     grammar: ToyGrammar | None = None,
     debug: bool = False,
-    **batcher_kw: int,
+    **batcher_kw: Any,
 ) -> tuple[dict[int, list[int]], RunStats, ContinuousBatcher, FutureMap]:
     """Run ``specs`` through a :class:`ContinuousBatcher` on a fresh map; return the outputs."""
     fmap = FutureMap(capacity, device=device, debug=debug)
@@ -93,7 +94,9 @@ def check_equivalence(
     )
 
 
-def assert_equivalent(make_model: Callable[[], Model], specs: list[RequestSpec], **kw: object) -> EquivalenceReport:
+def assert_equivalent(
+    make_model: Callable[[], Model], specs: list[RequestSpec], **kw: object
+) -> EquivalenceReport:
     """:func:`check_equivalence`, raising ``AssertionError`` with the first difference."""
     report = check_equivalence(make_model, specs, **kw)  # type: ignore[arg-type]
     if not report.ok:
