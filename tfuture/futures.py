@@ -119,6 +119,8 @@ class FutureMap:
             slots = np.concatenate([free[first:], free[:first]])[:n].astype(np.int64)
             refs[slots] = 1
             start = -1
+        if slots.size != n:
+            raise RuntimeError(f"FutureMap bookkeeping is corrupt: found {slots.size} free slots, expected {n}")
         self._in_use += n
         if n:
             last = int(slots[-1])
@@ -150,7 +152,6 @@ class FutureMap:
             freed = slots[refs[slots] == 0]
         self._in_use -= int(freed.size)
         fi._released = True
-        fi._ph_cache = None
         if self._state is not None and freed.size:
             self._on_device(lambda: _debug.on_release(self, freed))
 

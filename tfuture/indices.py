@@ -19,7 +19,7 @@ class FutureIndices:
     handle back with :meth:`FutureMap.release`.
     """
 
-    __slots__ = ("_gens", "_map", "_maybe_dups", "_ph_cache", "_released", "_slots", "_start")
+    __slots__ = ("_gens", "_map", "_maybe_dups", "_released", "_slots", "_start")
 
     def __init__(
         self,
@@ -35,7 +35,6 @@ class FutureIndices:
         self._start = start  # first slot of a contiguous fresh run, or -1
         self._maybe_dups = maybe_dups
         self._released = False
-        self._ph_cache: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self._slots.size)
@@ -68,21 +67,24 @@ class FutureIndices:
     def placeholders(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[n]`` device tensor of ``-slot`` (default dtype: the map's), made without a sync.
 
-        The tensor is allocated on the current stream. Reading it on another stream needs
-        ``record_stream`` (the runtime does this for you).
+        Every call makes a fresh tensor (``resolve`` works in place, so a shared one would turn
+        into tokens). It is allocated on the current stream; reading it on another stream
+        needs ``record_stream`` (the runtime does this for you).
         """
         self._check_live("placeholders")
         dtype = self._map.dtype if dtype is None else dtype
-        cached = self._ph_cache
-        if cached is not None and cached.dtype == dtype:
-            return cached
+        if dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"placeholders dtype must be torch.int32 or torch.int64, got {dtype}")
         dev, n = self._map.device, len(self)
         if self._start >= 0:
-            ph = torch.arange(-self._start, -self._start - n, -1, dtype=dtype, device=dev)
-        else:
-            ph = torch.from_numpy(-self._slots).to(device=dev, dtype=dtype, non_blocking=True)
-        self._ph_cache = ph
-        return ph
+            return torch.arange(-self._start, -self._start - n, -1, dtype=dtype, device=dev)
+        return torch.from_numpy(-self._slots).to(device=dev, dtype=dtype, non_blocking=True)
+
+    def __copy__(self) -> FutureIndices:
+        raise TypeError("a FutureIndices cannot be copied (the copy would hold no slot reference); use filter()")
+
+    def __deepcopy__(self, memo: object) -> FutureIndices:
+        return self.__copy__()
 
     def filter(self, keep: torch.Tensor | np.ndarray | Sequence[int] | Sequence[bool]) -> FutureIndices:
         """A new handle on the rows picked by ``keep`` (a bool mask of ``len(self)`` or indices).
