@@ -19,21 +19,21 @@ class FutureIndices:
     handle back with :meth:`FutureMap.release`.
     """
 
-    __slots__ = ("_gens", "_map", "_maybe_dups", "_released", "_slots", "_start")
+    __slots__ = ("_dups", "_gens", "_map", "_released", "_slots", "_start")
 
     def __init__(
         self,
         fmap: FutureMap,
         slots: np.ndarray,
         start: int,
-        maybe_dups: bool,
+        dups: bool | None,
         gens: np.ndarray | None = None,
     ) -> None:
         self._map = fmap
         self._gens = gens  # debug: each slot's allocation generation when this handle was made
         self._slots = slots
         self._start = start  # first slot of a contiguous fresh run, or -1
-        self._maybe_dups = maybe_dups
+        self._dups = dups  # does a slot appear twice? None: not computed yet
         self._released = False
 
     def __len__(self) -> int:
@@ -95,8 +95,9 @@ class FutureIndices:
         self._check_live("filter")
         idx = _host_index(keep, len(self))
         slots = self._slots[idx]
-        dups = self._maybe_dups or idx.dtype != np.bool_
-        self._map._retain(slots, dups)
+        # A mask keeps a duplicate-free handle duplicate-free; indices may repeat rows.
+        dups = False if idx.dtype == np.bool_ and self._dups is False else None
+        self._map._retain(slots, dups is False)
         gens = None if self._gens is None else self._gens[idx]
         return FutureIndices(self._map, slots, -1, dups, gens)
 
@@ -116,12 +117,20 @@ class FutureIndices:
             if h._map is not fmap:
                 raise ValueError("cat expects handles of one FutureMap, got handles of two maps")
         slots = np.concatenate([h._slots for h in handles])
-        dups = sum(1 for h in handles if len(h)) > 1 or any(h._maybe_dups for h in handles)
-        fmap._retain(slots, dups)
+        parts = [h for h in handles if len(h)]
+        dups = parts[0]._dups if len(parts) == 1 else (False if not parts else None)
+        fmap._retain(slots, dups is False)
         gens = None
         if all(h._gens is not None for h in handles):
             gens = np.concatenate([h._gens for h in handles])
         return cls(fmap, slots, -1, dups, gens)
+
+    def _has_dups(self) -> bool:
+        """True if a slot appears twice (computed once, by sorting: cheaper than np.unique)."""
+        if self._dups is None:
+            srt = np.sort(self._slots)
+            self._dups = bool(srt.size > 1 and (srt[1:] == srt[:-1]).any())
+        return self._dups
 
     def _check_live(self, what: str) -> None:
         if self._released:
