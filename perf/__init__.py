@@ -1,0 +1,15 @@
+"""tfuture benchmarks: ``python -m perf`` runs them all, ``python -m perf.bench_resolve`` one.
+
+Results (CSV, PNG, ``meta.json``, ``summary.json``) go to ``perf/results/<device>/``.
+"""
+
+import os
+import sys
+
+# Headless plots: set before anything imports matplotlib.pyplot (triton's perf_report does lazily).
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+# The interpreter runs about 0.45 ms per program: timing it says nothing about tfuture. Without
+# it, tfuture's CPU path is its torch reference, which is what the CPU numbers measure.
+if os.environ.pop("TRITON_INTERPRET", "0") == "1":
+    print("perf: ignoring TRITON_INTERPRET=1 (benchmarks time the real paths)", file=sys.stderr)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one prepared check for a GPU session: the gpu-marked tests, then the full `python -m perf`.
+# Run from anywhere on the GPU machine: `bash perf/gpu_check.sh`. Uses the image's python3 (torch
+# and triton preinstalled, no registry: no pip). Logs are teed into $OUT as they are written.
+# The device tool returns at most 8 files from $OUT, so perf/results/<device>/ comes back as
+# one tarball plus its summary.json, meta.json and README.md:
+#   tar -xzf results_<device>.tgz -C perf/results
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+unset TRITON_INTERPRET CI
+OUT="${OUT:-/tmp/tfuture-gpu-out}"
+mkdir -p "$OUT"
+PY=python3
+
+{
+  nvidia-smi -L || true
+  $PY -c 'import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name(0))'
+} 2>&1 | tee "$OUT/env.log"
+
+# Exit status 5 means no test carries the gpu marker yet: not a failure.
+$PY -m pytest -q -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log"
+test_rc=${PIPESTATUS[0]}
+[ "$test_rc" -eq 5 ] && test_rc=0
+
+# A time limit of our own, so that a slow run still leaves its partial results to pack.
+timeout "${PERF_TIMEOUT_S:-420}" $PY -m perf 2>&1 | tee "$OUT/perf.log"
+perf_rc=${PIPESTATUS[0]}
+
+dev=$($PY -c 'from perf._common import device_slug; print(device_slug())')
+if [ -n "$dev" ] && [ -d "perf/results/$dev" ]; then
+  tar -C perf/results -czf "$OUT/results_$dev.tgz" "$dev"
+  for f in summary.json meta.json README.md; do
+    [ -f "perf/results/$dev/$f" ] && cp "perf/results/$dev/$f" "$OUT/"
+  done
+fi
+echo "gpu_check: pytest rc=$test_rc, perf rc=$perf_rc, results in $OUT (device $dev)" | tee -a "$OUT/perf.log"
+[ "$test_rc" -eq 0 ] && [ "$perf_rc" -eq 0 ]
