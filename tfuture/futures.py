@@ -121,7 +121,7 @@ class FutureMap:
             refs[slots] = 1
             start = -1
         if slots.size != n:
-            raise RuntimeError(f"FutureMap bookkeeping is corrupt: found {slots.size} free slots, expected {n}")
+            raise RuntimeError(f"FutureMap bookkeeping corrupt: {slots.size} free slots found, {n} expected")
         self._in_use += n
         if n:
             last = int(slots[-1])

@@ -51,6 +51,11 @@ class FutureIndices:
         return view
 
     @property
+    def map(self) -> FutureMap:
+        """The :class:`FutureMap` whose slots this handle names."""
+        return self._map
+
+    @property
     def released(self) -> bool:
         return self._released
 
@@ -81,7 +86,7 @@ class FutureIndices:
         return torch.from_numpy(-self._slots).to(device=dev, dtype=dtype, non_blocking=True)
 
     def __copy__(self) -> FutureIndices:
-        raise TypeError("a FutureIndices cannot be copied (the copy would hold no slot reference); use filter()")
+        raise TypeError("a FutureIndices cannot be copied (a copy holds no slot reference); use filter()")
 
     def __deepcopy__(self, memo: object) -> FutureIndices:
         return self.__copy__()
