@@ -5,6 +5,12 @@ Timers:
 * :func:`host_us` is the wall time of a Python call with ``time.perf_counter`` over a batch of
   calls, no sync inside a batch (sync only between batches, on CUDA, so that the launch queue
   never fills and blocks the host).
+
+Benchmark modules build their plots from :func:`report_mark` (the ``perf_report`` mark) and
+:func:`timed_line` (the function a mark calls per point, with :func:`guarded` so that one failing
+line does not sink the others), or from a :class:`Sweep`, which ties both to one x axis and the
+device/host timers; then they read the data frame back with :func:`column`, :func:`column_ratio`
+and :func:`r2_list`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +45,15 @@ if not HAS_CUDA:
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_GPU = "no CUDA device: triton.testing.do_bench needs an active GPU driver ('0 active drivers')"
+# Why an ``empty_launch`` line is left out of a host-cost plot without a GPU.
+NO_LAUNCH = "no GPU: a Triton launch needs a driver"
+
+# Plot titles and y labels shared by the device-time and host-cost plots.
+DO_BENCH_BAND = "do_bench median, band p20-p80"
+DEVICE_YLABEL = "device time per call (us)"
+HOST_YLABEL = "host wall time per call (us)"
+# What a host-cost plot times (its description in the results README).
+HOST_TIMING = "time.perf_counter over batches of calls, no sync inside a batch"
 
 # Line styles for perf_report: (color, linestyle), one per line, in line order.
 STYLES = [
@@ -56,6 +72,8 @@ STYLES = [
 
 Timing = tuple[float, float, float]  # (median, p20, p80) in us
 NAN3: Timing = (math.nan, math.nan, math.nan)
+# Builds the zero-argument call one point of a sweep times, from the point's keyword arguments.
+MakeFn = Callable[..., Callable[[], object]]
 
 
 def pick(full: Sequence[Any], ci: Sequence[Any]) -> list[Any]:
@@ -184,16 +202,64 @@ def host_us_batched(batch: Callable[[int], float], *, cuda: bool = HAS_CUDA) -> 
     return (float(med), float(lo), float(hi))
 
 
+def time_calls(fn: Callable[[], object], n: int) -> float:
+    """Seconds that ``n`` back-to-back calls of ``fn`` take (``time.perf_counter``, no sync)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return time.perf_counter() - t0
+
+
 def host_us(fn: Callable[[], object], *, cuda: bool = HAS_CUDA) -> Timing:
     """Wall time in us of one Python call of ``fn`` (no sync inside a batch of calls)."""
+    return host_us_batched(lambda n: time_calls(fn, n), cuda=cuda)
 
-    def batch(n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return time.perf_counter() - t0
 
-    return host_us_batched(batch, cuda=cuda)
+def guarded(what: str, timer: Callable[[], Timing]) -> Timing:
+    """``timer()``, or NaNs after printing ``FAILED <what>: ...`` if it raises.
+
+    A failing line (say torch.compile) must not sink the other lines of the same plot.
+    """
+    try:
+        return timer()
+    except Exception as exc:
+        print(f"FAILED {what}: {type(exc).__name__}: {exc}")
+        return NAN3
+
+
+def timed_line(
+    make_fn: MakeFn,
+    timer: Callable[[Callable[[], object]], Timing],
+    what: str,
+    **fixed: Any,
+) -> Callable[..., Timing]:
+    """The function a ``perf_report`` mark calls per point: build the call, time it, guarded.
+
+    The mark passes its x and line arguments by keyword (``bs=64, provider="torch"``); ``fixed``
+    adds the ones the sweep holds still. ``make_fn(**args)`` builds the zero-argument call (not
+    guarded: a broken input is a bug, not a failing line), ``timer`` times it, and
+    ``what.format(**args)`` names the point in the FAILED line of :func:`guarded`.
+    """
+
+    def run(**point: Any) -> Timing:
+        args = {**fixed, **point}
+        fn = make_fn(**args)
+        return guarded(what.format(**args), lambda: timer(fn))
+
+    return run
+
+
+def host_where(launch: str = "GPU launch, no sync") -> str:
+    """What a host-cost plot's title says it measures: ``launch`` on a GPU, the torch path on CPU."""
+    return launch if HAS_CUDA else "CPU: tfuture runs its torch reference path"
+
+
+def with_empty_launch(lines: Sequence[str], skipped: list[str], plot: str) -> list[str]:
+    """``lines`` plus ``empty_launch`` on a GPU; without one, :func:`skip` that line of ``plot``."""
+    if HAS_CUDA:
+        return [*lines, "empty_launch"]
+    skip(skipped, f"{plot}: empty_launch line", NO_LAUNCH)
+    return list(lines)
 
 
 @triton.jit
@@ -204,6 +270,44 @@ def _empty_kernel(x_ptr):
 def empty_launch(x: torch.Tensor) -> None:
     """The floor: one launch of a Triton kernel that does nothing (GPU only)."""
     _empty_kernel[(1,)](x)
+
+
+def report_mark(
+    fn: Callable[..., Any],
+    *,
+    plot_name: str,
+    x_name: str,
+    x_vals: Sequence[Any],
+    lines: Sequence[Any],
+    xlabel: str,
+    line_arg: str = "provider",
+    line_names: Sequence[str] | None = None,
+    styles: Sequence[tuple[str, str]] | None = None,
+    ylabel: str = "us",
+    x_log: bool = True,
+    y_log: bool = True,
+) -> Any:
+    """A one-benchmark ``triton.testing.perf_report`` mark of ``fn``, for :func:`run_report`.
+
+    One x axis (``x_name`` over ``x_vals``), one line per value of ``lines`` passed to ``fn`` as
+    ``line_arg``; lines are named by ``line_names`` (default: the values) and drawn in ``styles``
+    (default: the first :data:`STYLES`). Log axes unless told otherwise.
+    """
+    bench = triton.testing.Benchmark(
+        x_names=[x_name],
+        x_vals=list(x_vals),
+        x_log=x_log,
+        y_log=y_log,
+        line_arg=line_arg,
+        line_vals=list(lines),
+        line_names=list(lines if line_names is None else line_names),
+        styles=list(STYLES[: len(lines)] if styles is None else styles),
+        ylabel=ylabel,
+        xlabel=xlabel,
+        plot_name=plot_name,
+        args={},
+    )
+    return triton.testing.perf_report(bench)(fn)
 
 
 def run_report(mark: Any, *, title: str, ylabel: str) -> Any:
@@ -251,6 +355,63 @@ def column(df: Any, line_name: str, ylabel: str = "us") -> np.ndarray:
     return df[key if key in df.columns else line_name].to_numpy(dtype=float)
 
 
+@dataclass(frozen=True)
+class Sweep:
+    """One x axis of a benchmark module, each of its lines timed on the device or on the host.
+
+    ``make_fn(**args)`` builds the call a point times from the mark's keyword arguments (the x
+    and ``provider``; see :func:`timed_line`). ``point`` formats the same arguments to name the
+    point in a FAILED line, after ``"<name> device"`` or ``"<name> host"``. ``line_names`` and
+    ``styles`` go to :func:`report_mark` (defaults there).
+    """
+
+    name: str
+    make_fn: MakeFn
+    x_name: str
+    x_vals: Sequence[Any]
+    xlabel: str
+    point: str
+    line_names: Sequence[str] | None = None
+    styles: Sequence[tuple[str, str]] | None = None
+
+    def line(self, kind: str) -> Callable[..., Timing]:
+        """The mark's function, timed by :func:`device_us` (``"device"``) or :func:`host_us` (``"host"``)."""
+        timers = {"device": device_us, "host": host_us}
+        if kind not in timers:
+            raise ValueError(f"unknown timer kind {kind!r}")
+        return timed_line(self.make_fn, timers[kind], f"{self.name} {kind} {self.point}")
+
+    def plot(self, kind: str, plot_name: str, lines: Sequence[Any], *, title: str, about: str) -> Any:
+        """Time ``lines`` over the sweep on ``kind``, write ``plot_name`` .csv/.png, describe it.
+
+        ``about`` is what the plot times, for the results README. Returns the data frame.
+        """
+        mark = report_mark(
+            self.line(kind),
+            plot_name=plot_name,
+            x_name=self.x_name,
+            x_vals=self.x_vals,
+            lines=lines,
+            line_names=self.line_names,
+            styles=self.styles,
+            xlabel=self.xlabel,
+        )
+        df = run_report(mark, title=title, ylabel=DEVICE_YLABEL if kind == "device" else HOST_YLABEL)
+        describe(plot_name, about)
+        return df
+
+
+def safe_div(num: Any, den: Any) -> np.ndarray:
+    """``num / den`` elementwise, NaN or inf (no warning) where a side is NaN or zero."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(num, dtype=float) / np.asarray(den, dtype=float)
+
+
+def column_ratio(df: Any, num: str, den: str, ylabel: str = "us") -> np.ndarray:
+    """Line ``num`` over line ``den`` of a perf_report data frame, per x (see :func:`safe_div`)."""
+    return safe_div(column(df, num, ylabel), column(df, den, ylabel))
+
+
 def describe(plot_name: str, text: str) -> None:
     """Record what a plot times, for the results README."""
     merge_summary("plots", {plot_name: text})
@@ -259,6 +420,11 @@ def describe(plot_name: str, text: str) -> None:
 def r2(x: float) -> float | None:
     """Four significant digits for summary.json; NaN becomes null."""
     return None if x is None or not math.isfinite(x) else float(f"{x:.4g}")
+
+
+def r2_list(values: Any) -> list[float | None]:
+    """:func:`r2` of each value, for a per-x list in summary.json."""
+    return [r2(v) for v in values]
 
 
 def verdict(summary: dict[str, Any], text: str, worst: float, ok: bool, contract: bool = True) -> None:

@@ -32,10 +32,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import triton
 
 from perf._common import (
     HAS_CUDA,
+    HOST_YLABEL,
     STYLES,
     Timing,
     column,
@@ -44,8 +44,10 @@ from perf._common import (
     merge_summary,
     pick,
     r2,
+    report_mark,
     run_report,
     skip,
+    time_calls,
     write_meta,
 )
 from tfuture import FutureIndices, FutureMap
@@ -77,13 +79,6 @@ def _new_map(bs: int, device: str = "cpu") -> FutureMap:
     return FutureMap(2 * MAX_CALLS * bs + 64, device=device)
 
 
-def _timed(calls: Callable[[], object], n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        calls()
-    return time.perf_counter() - t0
-
-
 def batch_fn(op: str, bs: int) -> Callable[[int], float]:
     """``batch(n)``: run ``n`` calls of ``op``, return the seconds of the calls alone."""
     device = "cuda" if op.endswith("_cuda") else "cpu"
@@ -99,7 +94,7 @@ def batch_fn(op: str, bs: int) -> Callable[[int], float]:
 
     def batch(n: int) -> float:
         if op == "host_placeholders":
-            return _timed(base.host_placeholders, n)
+            return time_calls(base.host_placeholders, n)
         if op == "alloc":
             t0 = time.perf_counter()
             made = [fmap.alloc(bs) for _ in range(n)]
@@ -153,7 +148,7 @@ def _step_batch(device: str, bs: int) -> Callable[[int], float]:
         for h in (old, kept, new, merged):
             fmap.release(h)
 
-    return lambda n: _timed(step, n)
+    return lambda n: time_calls(step, n)
 
 
 def bench(bs: int, op: str) -> Timing:
@@ -189,25 +184,21 @@ def busy_stream_check(bs: int = 1024, sleep_cycles: int = 4_000_000) -> dict[str
 
 def main() -> None:
     ops = OPS + (CUDA_OPS if HAS_CUDA else [])
-    bench_ = triton.testing.Benchmark(
-        x_names=["bs"],
-        x_vals=BATCH,
-        x_log=True,
-        y_log=True,
-        line_arg="op",
-        line_vals=ops,
-        line_names=ops,
-        styles=[("black", "-") if op == "step" else s for op, s in zip(ops, STYLES, strict=False)],
-        ylabel="us",
-        xlabel="batch size (handle rows)",
+    mark = report_mark(
+        bench,
         plot_name="bookkeeping_host_cost",
-        args={},
+        x_name="bs",
+        x_vals=BATCH,
+        lines=ops,
+        line_arg="op",
+        styles=[("black", "-") if op == "step" else s for op, s in zip(ops, STYLES, strict=False)],
+        xlabel="batch size (handle rows)",
     )
     df = run_report(
-        triton.testing.perf_report(bench_)(bench),
+        mark,
         title="FutureMap / FutureIndices bookkeeping: host cost per call (CPU map"
         + ("; *_cuda lines: CUDA map)" if HAS_CUDA else ")"),
-        ylabel="host wall time per call (us)",
+        ylabel=HOST_YLABEL,
     )
     describe(
         "bookkeeping_host_cost",

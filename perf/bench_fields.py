@@ -23,26 +23,30 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import triton
 
 from perf._common import (
     DEVICE,
+    DEVICE_YLABEL,
+    DO_BENCH_BAND,
     HAS_CUDA,
-    NAN3,
+    HOST_YLABEL,
     NO_GPU,
-    STYLES,
     Timing,
     column,
+    column_ratio,
     describe,
     device_us,
     empty_launch,
     host_us,
     merge_summary,
     pick,
-    r2,
+    r2_list,
+    report_mark,
     run_report,
     skip,
+    timed_line,
     verdict,
+    with_empty_launch,
     write_meta,
 )
 from tfuture import FutureIndices, FutureMap
@@ -91,8 +95,8 @@ def make_inputs(bs: int, nf: int) -> tuple[FutureFields, FutureIndices, list[str
     return ff, handle, names, slots, payload
 
 
-def make_fn(provider: str, op: str, bs: int, nf: int) -> Callable[[], object]:
-    ff, handle, names, slots, payload = make_inputs(bs, nf)
+def make_fn(provider: str, op: str, bs: int, n_fields: int) -> Callable[[], object]:
+    ff, handle, names, slots, payload = make_inputs(bs, n_fields)
     bufs = [ff.buffer(n) for n in names]
     values = [payload[n] for n in names]
     if provider == "empty_launch":
@@ -133,44 +137,23 @@ def check_same(bs: int, nf: int) -> None:
         raise AssertionError(f"fields store changed the stored bits at bs={bs}, nf={nf}")
 
 
-def _guarded(what: str, timer: Callable[[], Timing]) -> Timing:
-    try:
-        return timer()
-    except Exception as exc:  # a failing line must not sink the others
-        print(f"FAILED {what}: {type(exc).__name__}: {exc}")
-        return NAN3
-
-
 def _bench(op: str, timer: Callable[[Callable[[], object]], Timing]) -> Callable[..., Timing]:
-    def run(provider: str, bs: int = BS_FIXED, n_fields: int = NF_FIXED) -> Timing:
-        fn = make_fn(provider, op, bs, n_fields)
-        return _guarded(f"fields {op} {provider} bs={bs} nf={n_fields}", lambda: timer(fn))
-
-    return run
+    """The line function of an ``op`` sweep: over ``bs`` or ``n_fields``, the other one fixed."""
+    what = f"fields {op} {{provider}} bs={{bs}} nf={{n_fields}}"
+    return timed_line(make_fn, timer, what, op=op, bs=BS_FIXED, n_fields=NF_FIXED)
 
 
 def _report(fn: Callable[..., Timing], name: str, x: str, lines: list[str]) -> object:
     by_bs = x == "bs"
-    bench = triton.testing.Benchmark(
-        x_names=[x],
-        x_vals=BATCH if by_bs else N_FIELDS,
-        x_log=by_bs,
-        y_log=True,
-        line_arg="provider",
-        line_vals=lines,
-        line_names=lines,
-        styles=STYLES[: len(lines)],
-        ylabel="us",
-        xlabel=f"requests per call ({NF_FIXED} fields)" if by_bs else f"fields per call (bs {BS_FIXED})",
+    return report_mark(
+        fn,
         plot_name=name,
-        args={},
+        x_name=x,
+        x_vals=BATCH if by_bs else N_FIELDS,
+        lines=lines,
+        xlabel=f"requests per call ({NF_FIXED} fields)" if by_bs else f"fields per call (bs {BS_FIXED})",
+        x_log=by_bs,
     )
-    return triton.testing.perf_report(bench)(fn)
-
-
-def _ratio(df: object, num: str, den: str) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return column(df, num) / column(df, den)
 
 
 def main() -> None:
@@ -186,23 +169,22 @@ def main() -> None:
     timers.append(("host_cost", host_us))
     if not HAS_CUDA:
         skip(skipped, "fields_*_device_time (all lines)", NO_GPU)
-        skip(skipped, "fields_*_host_cost: empty_launch line", "no GPU: a Triton launch needs a driver")
+    plotted = with_empty_launch(lines, skipped, "fields_*_host_cost")
     for kind, timer in timers:
         for op, x in sweeps:
             name = f"fields_{op}_{'bs' if x == 'bs' else 'nfields'}_{kind}"
-            plotted = [*lines, "empty_launch"] if HAS_CUDA else lines
-            what = "device time (do_bench median, band p20-p80)" if kind == "device_time" else "host cost"
+            what = f"device time ({DO_BENCH_BAND})" if kind == "device_time" else "host cost"
             where = "" if HAS_CUDA or kind == "device_time" else " (CPU: tfuture runs its torch reference)"
             df = run_report(
                 _report(_bench(op, timer), name, x, plotted),
                 title=f"fields {op}: {what} per call{where}",
-                ylabel=f"{'device' if kind == 'device_time' else 'host wall'} time per call (us)",
+                ylabel=DEVICE_YLABEL if kind == "device_time" else HOST_YLABEL,
             )
             describe(name, f"one fused {op} of every field vs one torch indexing op per field; {what}")
-            ratio = _ratio(df, "torch", "tfuture")
-            summary[f"{name}_tfuture_us"] = [r2(v) for v in column(df, "tfuture")]
-            summary[f"{name}_torch_us"] = [r2(v) for v in column(df, "torch")]
-            summary[f"{name}_torch_over_tfuture"] = [r2(v) for v in ratio]
+            ratio = column_ratio(df, "torch", "tfuture")
+            summary[f"{name}_tfuture_us"] = r2_list(column(df, "tfuture"))
+            summary[f"{name}_torch_us"] = r2_list(column(df, "torch"))
+            summary[f"{name}_torch_over_tfuture"] = r2_list(ratio)
             if kind == "host_cost":
                 worst = float(np.nanmax(1 / ratio))
                 ok = worst <= 1

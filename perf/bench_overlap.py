@@ -16,9 +16,19 @@ third plot repeats the overlap run with host work that holds the GIL (a Python s
 
 from __future__ import annotations
 
-import triton
+from collections.abc import Callable
 
-from perf._common import DEVICE, STYLES, column, describe, merge_summary, pick, r2, run_report, write_meta
+from perf._common import (
+    DEVICE,
+    column,
+    describe,
+    merge_summary,
+    pick,
+    r2,
+    report_mark,
+    run_report,
+    write_meta,
+)
 from tfuture.demo import measure
 from tfuture.trace import RunStats
 
@@ -42,22 +52,19 @@ def _ideal(sync: RunStats) -> float:
     return max(t_dev, sync.step_time - t_dev)
 
 
-def _mark(plot_name: str, lines: list[str], ylabel: str, fn):  # type: ignore[no-untyped-def]
-    return triton.testing.perf_report(
-        triton.testing.Benchmark(
-            x_names=["ratio"],
-            x_vals=RATIOS,
-            x_log=False,
-            line_arg="mode",
-            line_vals=lines,
-            line_names=lines,
-            styles=STYLES[: len(lines)],
-            ylabel=ylabel,
-            plot_name=plot_name,
-            xlabel="T_cpu / T_dev",
-            args={},
-        )
-    )(fn)
+def _mark(plot_name: str, lines: list[str], ylabel: str, fn: Callable[..., float]) -> object:
+    return report_mark(
+        fn,
+        plot_name=plot_name,
+        x_name="ratio",
+        x_vals=RATIOS,
+        lines=lines,
+        line_arg="mode",
+        ylabel=ylabel,
+        xlabel="T_cpu / T_dev",
+        x_log=False,
+        y_log=False,
+    )
 
 
 def step_ms(ratio: float, mode: str) -> float:

@@ -22,22 +22,20 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import triton
 
 from perf._common import (
     DEVICE,
     HAS_CUDA,
-    NAN3,
+    HOST_TIMING,
     NO_GPU,
-    Timing,
+    Sweep,
     column,
-    describe,
-    device_us,
-    host_us,
+    column_ratio,
+    host_where,
     merge_summary,
     pick,
     r2,
-    run_report,
+    r2_list,
     skip,
     verdict,
     write_meta,
@@ -132,24 +130,6 @@ def _fn(bs: int, provider: tuple[str, float]) -> Callable[[], object]:
     return batch.fused if name == "tfuture" else batch.unfused
 
 
-def _guarded(what: str, timer: Callable[[], Timing]) -> Timing:
-    try:
-        return timer()
-    except Exception as exc:
-        print(f"FAILED {what}: {type(exc).__name__}: {exc}")
-        return NAN3
-
-
-def bench_device(bs: int, provider: tuple[str, float]) -> Timing:
-    fn = _fn(bs, provider)
-    return _guarded(f"prepare device {provider} bs={bs}", lambda: device_us(fn))
-
-
-def bench_host(bs: int, provider: tuple[str, float]) -> Timing:
-    fn = _fn(bs, provider)
-    return _guarded(f"prepare host {provider} bs={bs}", lambda: host_us(fn))
-
-
 def _label(name: str, share: float) -> str:
     return f"{name}, {'decode only' if share == 0 else f'{share:.0%} prefill'}"
 
@@ -158,41 +138,35 @@ LINES = [(p, s) for s in SHARES for p in PROVIDERS]
 NAMES = [_label(p, s) for p, s in LINES]
 
 
-def _report(fn: Callable[..., Timing], name: str, y_log: bool) -> object:
-    colors = {"tfuture": "blue", "torch": "red"}
-    bench = triton.testing.Benchmark(
-        x_names=["bs"],
-        x_vals=BATCH,
-        x_log=True,
-        y_log=y_log,
-        line_arg="provider",
-        line_vals=LINES,
-        line_names=NAMES,
-        styles=[(colors[p], _LS[SHARES.index(s)]) for p, s in LINES],
-        ylabel="us",
-        xlabel="batch size (requests; prefill chunks 8-128 tokens, decodes 1 placeholder)",
-        plot_name=name,
-        args={},
-    )
-    return triton.testing.perf_report(bench)(fn)
+_COLORS = {"tfuture": "blue", "torch": "red"}
+SWEEP = Sweep(
+    "prepare",
+    _fn,
+    x_name="bs",
+    x_vals=BATCH,
+    xlabel="batch size (requests; prefill chunks 8-128 tokens, decodes 1 placeholder)",
+    point="{provider} bs={bs}",
+    line_names=NAMES,
+    styles=[(_COLORS[p], _LS[SHARES.index(s)]) for p, s in LINES],
+)
 
 
 def _speedups(df: object) -> np.ndarray:
     """torch / tfuture per (batch size, share)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.stack([column(df, _label("torch", s)) / column(df, _label("tfuture", s)) for s in SHARES])
+    return np.stack([column_ratio(df, _label("torch", s), _label("tfuture", s)) for s in SHARES])
 
 
 def main() -> None:
     skipped: list[str] = []
     summary: dict[str, object] = {"batch_sizes": BATCH, "prefill_shares": SHARES}
     if HAS_CUDA:
-        df = run_report(
-            _report(bench_device, "prepare_device_time", y_log=True),
+        df = SWEEP.plot(
+            "device",
+            "prepare_device_time",
+            LINES,
             title="prepare_inputs: fused launch vs unfused torch, device time per call",
-            ylabel="device time per call (us)",
+            about="do_bench device time of building ids, positions, last rows",
         )
-        describe("prepare_device_time", "do_bench device time of building ids, positions, last rows")
         speed = _speedups(df)
         summary |= {
             "unfused_over_fused_device_min": r2(np.nanmin(speed)),
@@ -203,19 +177,19 @@ def main() -> None:
     else:
         skip(skipped, "prepare_device_time (fused and unfused)", NO_GPU)
 
-    where = "GPU launches, no sync" if HAS_CUDA else "CPU: tfuture runs its torch reference path"
-    df = run_report(
-        _report(bench_host, "prepare_host_cost", y_log=True),
-        title=f"prepare_inputs: host cost per call ({where})",
-        ylabel="host wall time per call (us)",
+    df = SWEEP.plot(
+        "host",
+        "prepare_host_cost",
+        LINES,
+        title=f"prepare_inputs: host cost per call ({host_where('GPU launches, no sync')})",
+        about=HOST_TIMING,
     )
-    describe("prepare_host_cost", "time.perf_counter over batches of calls, no sync inside a batch")
     speed = _speedups(df)
     summary |= {
         "unfused_over_fused_host_min": r2(np.nanmin(speed)),
         "unfused_over_fused_host_max": r2(np.nanmax(speed)),
-        "fused_host_us_decode_only": [r2(v) for v in column(df, _label("tfuture", 0.0))],
-        "unfused_host_us_decode_only": [r2(v) for v in column(df, _label("torch", 0.0))],
+        "fused_host_us_decode_only": r2_list(column(df, _label("tfuture", 0.0))),
+        "unfused_host_us_decode_only": r2_list(column(df, _label("torch", 0.0))),
     }
     worst = 1 / np.nanmin(speed)
     verdict(summary, "host: fused / unfused <= 1", worst, worst <= 1, contract=HAS_CUDA)

@@ -25,26 +25,25 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import triton
 
 from perf._common import (
     DEVICE,
+    DO_BENCH_BAND,
     HAS_CUDA,
-    NAN3,
+    HOST_TIMING,
     NO_GPU,
-    STYLES,
-    Timing,
+    Sweep,
     column,
-    describe,
-    device_us,
     empty_launch,
-    host_us,
+    host_where,
     merge_summary,
     pick,
     r2,
-    run_report,
+    r2_list,
+    safe_div,
     skip,
     verdict,
+    with_empty_launch,
     write_meta,
 )
 from tfuture import FutureMap
@@ -75,8 +74,8 @@ def make_inputs(n: int) -> tuple[FutureMap, torch.Tensor]:
     return fmap, ids.to(DEVICE)
 
 
-def make_fn(provider: str, n: int) -> Callable[[], object]:
-    fmap, ids = make_inputs(n)
+def make_fn(provider: str, n_tokens: int) -> Callable[[], object]:
+    fmap, ids = make_inputs(n_tokens)
     token_map, err = fmap.token_map, fmap.err
     if provider == "tfuture":
         return lambda: resolve_futures_(ids, token_map, err=err)
@@ -107,45 +106,14 @@ def check_same(n: int) -> None:
     fmap.check()
 
 
-def _guarded(what: str, timer: Callable[[], Timing]) -> Timing:
-    try:
-        return timer()
-    except Exception as exc:  # a failing line (say torch.compile) must not sink the others
-        print(f"FAILED {what}: {type(exc).__name__}: {exc}")
-        return NAN3
-
-
-def bench_device(n_tokens: int, provider: str) -> Timing:
-    fn = make_fn(provider, n_tokens)
-    return _guarded(f"resolve device {provider} n={n_tokens}", lambda: device_us(fn))
-
-
-def bench_host(n_tokens: int, provider: str) -> Timing:
-    fn = make_fn(provider, n_tokens)
-    return _guarded(f"resolve host {provider} n={n_tokens}", lambda: host_us(fn))
-
-
-def _report(fn: Callable[..., Timing], name: str, lines: list[str], y_log: bool) -> object:
-    bench = triton.testing.Benchmark(
-        x_names=["n_tokens"],
-        x_vals=SIZES,
-        x_log=True,
-        y_log=y_log,
-        line_arg="provider",
-        line_vals=lines,
-        line_names=lines,
-        styles=STYLES[: len(lines)],
-        ylabel="us",
-        xlabel="tokens per call (int64, 14% placeholders, 8192-slot map)",
-        plot_name=name,
-        args={},
-    )
-    return triton.testing.perf_report(bench)(fn)
-
-
-def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return a / b
+SWEEP = Sweep(
+    "resolve",
+    make_fn,
+    x_name="n_tokens",
+    x_vals=SIZES,
+    xlabel="tokens per call (int64, 14% placeholders, 8192-slot map)",
+    point="{provider} n={n_tokens}",
+)
 
 
 def main() -> None:
@@ -155,22 +123,20 @@ def main() -> None:
     summary: dict[str, object] = {"sizes": SIZES}
     if HAS_CUDA:
         lines = ["tfuture", "torch", "torch_ref", "torch_compile", "empty_launch"]
-        df = run_report(
-            _report(bench_device, "resolve_device_time", lines, y_log=True),
-            title="resolve: device time per call (do_bench median, band p20-p80)",
-            ylabel="device time per call (us)",
-        )
-        describe(
+        df = SWEEP.plot(
+            "device",
             "resolve_device_time",
-            "do_bench device time of one resolve; the map holds placeholders so every call "
+            lines,
+            title=f"resolve: device time per call ({DO_BENCH_BAND})",
+            about="do_bench device time of one resolve; the map holds placeholders so every call "
             "does a full resolve with no restore copy",
         )
         tf = column(df, "tfuture")
-        vs_empty = _ratio(tf, column(df, "empty_launch"))
-        vs_torch = _ratio(column(df, "torch"), tf)
-        vs_compile = _ratio(column(df, "torch_compile"), tf)
+        vs_empty = safe_div(tf, column(df, "empty_launch"))
+        vs_torch = safe_div(column(df, "torch"), tf)
+        vs_compile = safe_div(column(df, "torch_compile"), tf)
         summary |= {
-            "tfuture_device_us": [r2(v) for v in tf],
+            "tfuture_device_us": r2_list(tf),
             "tfuture_over_empty_launch_max": r2(np.nanmax(vs_empty)),
             "torch_over_tfuture_min": r2(np.nanmin(vs_torch)),
             "torch_compile_over_tfuture_min": r2(np.nanmin(vs_compile)),
@@ -184,26 +150,18 @@ def main() -> None:
     else:
         skip(skipped, "resolve_device_time (all lines, torch_compile included)", NO_GPU)
 
-    host_lines = ["tfuture", "torch", "torch_ref"]
-    if HAS_CUDA:
-        host_lines.append("empty_launch")
-    else:
-        skip(skipped, "resolve_host_cost: empty_launch line", "no GPU: a Triton launch needs a driver")
-    where = "GPU launch, no sync" if HAS_CUDA else "CPU: tfuture runs its torch reference path"
-    df = run_report(
-        _report(bench_host, "resolve_host_cost", host_lines, y_log=True),
-        title=f"resolve: host cost per call ({where})",
-        ylabel="host wall time per call (us)",
-    )
-    describe(
+    host_lines = with_empty_launch(["tfuture", "torch", "torch_ref"], skipped, "resolve_host_cost")
+    df = SWEEP.plot(
+        "host",
         "resolve_host_cost",
-        "time.perf_counter over batches of calls, no sync inside a batch; on CPU the whole "
-        "resolve runs on the host, so this is its full cost",
+        host_lines,
+        title=f"resolve: host cost per call ({host_where()})",
+        about=f"{HOST_TIMING}; on CPU the whole resolve runs on the host, so this is its full cost",
     )
-    host = _ratio(column(df, "tfuture"), column(df, "torch"))
+    host = safe_div(column(df, "tfuture"), column(df, "torch"))
     summary |= {
-        "tfuture_host_us": [r2(v) for v in column(df, "tfuture")],
-        "torch_host_us": [r2(v) for v in column(df, "torch")],
+        "tfuture_host_us": r2_list(column(df, "tfuture")),
+        "torch_host_us": r2_list(column(df, "torch")),
         "tfuture_host_over_torch_host_max": r2(np.nanmax(host)),
         "tfuture_host_over_torch_host_min": r2(np.nanmin(host)),
     }

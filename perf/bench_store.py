@@ -21,26 +21,25 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import triton
 
 from perf._common import (
     DEVICE,
+    DO_BENCH_BAND,
     HAS_CUDA,
-    NAN3,
+    HOST_TIMING,
     NO_GPU,
-    STYLES,
-    Timing,
+    Sweep,
     column,
-    describe,
-    device_us,
+    column_ratio,
     empty_launch,
-    host_us,
+    host_where,
     merge_summary,
     pick,
     r2,
-    run_report,
+    r2_list,
     skip,
     verdict,
+    with_empty_launch,
     write_meta,
 )
 from tfuture.kernels.store import store_futures
@@ -87,45 +86,14 @@ def check_same(bs: int) -> None:
             raise AssertionError(f"store: {ours} differs from {theirs} at bs={bs}")
 
 
-def _guarded(what: str, timer: Callable[[], Timing]) -> Timing:
-    try:
-        return timer()
-    except Exception as exc:
-        print(f"FAILED {what}: {type(exc).__name__}: {exc}")
-        return NAN3
-
-
-def bench_device(bs: int, provider: str) -> Timing:
-    fn = make_fn(provider, bs)
-    return _guarded(f"store device {provider} bs={bs}", lambda: device_us(fn))
-
-
-def bench_host(bs: int, provider: str) -> Timing:
-    fn = make_fn(provider, bs)
-    return _guarded(f"store host {provider} bs={bs}", lambda: host_us(fn))
-
-
-def _report(fn: Callable[..., Timing], name: str, lines: list[str], y_log: bool) -> object:
-    bench = triton.testing.Benchmark(
-        x_names=["bs"],
-        x_vals=BATCH,
-        x_log=True,
-        y_log=y_log,
-        line_arg="provider",
-        line_vals=lines,
-        line_names=lines,
-        styles=STYLES[: len(lines)],
-        ylabel="us",
-        xlabel="tokens stored per call (int64, 16384-slot map)",
-        plot_name=name,
-        args={},
-    )
-    return triton.testing.perf_report(bench)(fn)
-
-
-def _ratio(df: object, num: str, den: str) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return column(df, num) / column(df, den)
+SWEEP = Sweep(
+    "store",
+    make_fn,
+    x_name="bs",
+    x_vals=BATCH,
+    xlabel="tokens stored per call (int64, 16384-slot map)",
+    point="{provider} bs={bs}",
+)
 
 
 def main() -> None:
@@ -135,17 +103,20 @@ def main() -> None:
     lines = ["tfuture_range", "tfuture_slots", "torch_index", "torch_slice"]
     summary: dict[str, object] = {"batch_sizes": BATCH}
     if HAS_CUDA:
-        df = run_report(
-            _report(bench_device, "store_device_time", [*lines, "empty_launch"], y_log=True),
-            title="store: device time per call (do_bench median, band p20-p80)",
-            ylabel="device time per call (us)",
+        df = SWEEP.plot(
+            "device",
+            "store_device_time",
+            [*lines, "empty_launch"],
+            title=f"store: device time per call ({DO_BENCH_BAND})",
+            about="do_bench device time of one store of bs token ids",
         )
-        describe("store_device_time", "do_bench device time of one store of bs token ids")
         summary |= {
             "torch_index_over_tfuture_slots_device_min": r2(
-                np.nanmin(_ratio(df, "torch_index", "tfuture_slots"))
+                np.nanmin(column_ratio(df, "torch_index", "tfuture_slots"))
             ),
-            "tfuture_range_over_empty_launch_max": r2(np.nanmax(_ratio(df, "tfuture_range", "empty_launch"))),
+            "tfuture_range_over_empty_launch_max": r2(
+                np.nanmax(column_ratio(df, "tfuture_range", "empty_launch"))
+            ),
         }
     else:
         skip(skipped, "store_device_time (all lines)", NO_GPU)
@@ -155,23 +126,21 @@ def main() -> None:
         "tfuture's store_futures takes a 1-D token map only; token ids benchmarked",
     )
 
-    host_lines = [*lines, "empty_launch"] if HAS_CUDA else lines
-    if not HAS_CUDA:
-        skip(skipped, "store_host_cost: empty_launch line", "no GPU: a Triton launch needs a driver")
-    where = "GPU launch, no sync" if HAS_CUDA else "CPU: tfuture runs its torch reference path"
-    df = run_report(
-        _report(bench_host, "store_host_cost", host_lines, y_log=True),
-        title=f"store: host cost per call ({where})",
-        ylabel="host wall time per call (us)",
+    host_lines = with_empty_launch(lines, skipped, "store_host_cost")
+    df = SWEEP.plot(
+        "host",
+        "store_host_cost",
+        host_lines,
+        title=f"store: host cost per call ({host_where()})",
+        about=HOST_TIMING,
     )
-    describe("store_host_cost", "time.perf_counter over batches of calls, no sync inside a batch")
-    slots_vs_torch = _ratio(df, "tfuture_slots", "torch_index")
-    range_vs_torch = _ratio(df, "tfuture_range", "torch_slice")
+    slots_vs_torch = column_ratio(df, "tfuture_slots", "torch_index")
+    range_vs_torch = column_ratio(df, "tfuture_range", "torch_slice")
     summary |= {
         "tfuture_slots_host_over_torch_index_max": r2(np.nanmax(slots_vs_torch)),
         "tfuture_range_host_over_torch_slice_max": r2(np.nanmax(range_vs_torch)),
-        "tfuture_slots_host_us": [r2(v) for v in column(df, "tfuture_slots")],
-        "torch_index_host_us": [r2(v) for v in column(df, "torch_index")],
+        "tfuture_slots_host_us": r2_list(column(df, "tfuture_slots")),
+        "torch_index_host_us": r2_list(column(df, "torch_index")),
     }
     worst = np.nanmax(slots_vs_torch)
     verdict(summary, "host: tfuture_slots / torch index_put <= 1", worst, worst <= 1, contract=HAS_CUDA)
