@@ -568,3 +568,17 @@ class SlotOwnership(RuleBasedStateMachine):
 
 SlotOwnership.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestSlotOwnership = SlotOwnership.TestCase
+
+
+def test_negative_token_store_is_flagged_not_leaked():
+    fmap = FutureMap(4, device=DEVICE)
+    fi = fmap.alloc(2)
+    fmap.store(fi, torch.tensor([3, -1], device=DEVICE))
+    ids = fmap.resolve(fi.placeholders())
+    assert ids.tolist() == [3, 0]  # no negative id leaks into the next step
+    with pytest.raises(FutureError, match=r"negative token\(s\) were stored \(most negative: -1\)"):
+        fmap.check()
+    dmap = FutureMap(4, device=DEVICE, debug=True)
+    di = dmap.alloc(2)
+    with pytest.raises(FutureError, match="negative token"):
+        dmap.store(di, torch.tensor([3, -1], device=DEVICE))

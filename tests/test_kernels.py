@@ -268,6 +268,23 @@ def test_store_out_of_range_slots_never_written(dtype, device):
     assert quiet.tolist() == want
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["range", "slots"])
+@pytest.mark.parametrize("ref", [False, True], ids=["kernel", "ref"])
+def test_store_negative_values_become_zero_and_are_flagged(contiguous, ref, device):
+    # A stored -1 would resolve into a negative id next step: the store refuses to write it.
+    token_map = torch.full((8,), 55, dtype=torch.int64, device=device)
+    values = torch.tensor([4, -1, 6, -9], dtype=torch.int64, device=device)
+    slots = range(2, 6) if contiguous else torch.tensor([2, 3, 4, 5], device=device)
+    err = torch.zeros(2, dtype=torch.int64, device=device)
+    (store_futures_ref if ref else store_futures)(token_map, slots, values, err=err)
+    assert token_map.tolist() == [55, 55, 4, 0, 6, 0, 55, 55]
+    assert err.tolist() == [2, -9]
+    # Without an error channel the value is stored as given (the caller owns the check).
+    token_map2 = torch.zeros(8, dtype=torch.int64, device=device)
+    (store_futures_ref if ref else store_futures)(token_map2, slots, values)
+    assert token_map2[2:6].tolist() == [4, -1, 6, -9]
+
+
 def test_store_int64_values_into_int32_map_cast(device):
     token_map = torch.zeros(6, dtype=torch.int32, device=device)
     store_futures(token_map, range(2, 5), torch.tensor([VOCAB - 1, 0, 9], device=device))

@@ -45,9 +45,14 @@ def on_alloc(fmap: FutureMap, slots: np.ndarray) -> None:
     fmap._state[_dev(fmap, slots)] = ALLOCATED
 
 
-def on_store(fmap: FutureMap, slots: np.ndarray) -> None:
+def on_store(fmap: FutureMap, slots: np.ndarray, tokens: torch.Tensor) -> None:
+    from tfuture.futures import FutureError
+
     state = fmap._state
     assert state is not None
+    negative = tokens[tokens < 0]
+    if negative.numel():
+        raise FutureError(f"debug: {negative.numel()} negative token(s) to store: {negative[:8].tolist()}")
     idx = _dev(fmap, slots)
     st = state[idx]
     bad = st != ALLOCATED
@@ -85,7 +90,10 @@ def after_read(fmap: FutureMap, ids: torch.Tensor) -> None:
     left = ids[ids < 0]
     if left.numel():
         raise FutureError(f"debug: {left.numel()} negative id(s) survived resolve: {left[:8].tolist()}")
-    raise_if_flagged(fmap.err.tolist())
+    flags = fmap.err.tolist()
+    if flags[0]:
+        fmap.err.zero_()  # reported now: the next call starts clean
+    raise_if_flagged(flags)
 
 
 def on_release(fmap: FutureMap, freed: np.ndarray) -> None:

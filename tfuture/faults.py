@@ -18,6 +18,7 @@ On CUDA, run the process with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -48,8 +49,15 @@ class FaultPlan:
             raise ValueError(
                 f"raise_at points must be among {STREAM_POINTS + HOST_POINTS}, got {sorted(unknown)}"
             )
-        if self.max_delay_s < 0 or self.host_delay_s < 0:
-            raise ValueError(f"delays must be >= 0, got {self.max_delay_s} and {self.host_delay_s}")
+        for name, value in (("max_delay_s", self.max_delay_s), ("host_delay_s", self.host_delay_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        ops = set(self.delay_ops) - set(STREAM_POINTS) - {"debug"}
+        if ops:
+            raise ValueError(f"delay_ops must be among {(*STREAM_POINTS, 'debug')}, got {sorted(ops)}")
+        for point, step in self.raise_at.items():
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"raise_at[{point!r}] must be a step number >= 0, got {step!r}")
         # One generator per side: the worker thread and the host draw independently.
         self._stream_rng = random.Random(self.seed)
         self._host_rng = random.Random(self.seed + 1)

@@ -172,7 +172,7 @@ class FutureMap:
         if len(fi) == 0:
             return
         if self._state is not None:
-            _debug.on_store(self, fi._slots)
+            _debug.on_store(self, fi._slots, tokens)
         if tokens.is_cuda:
             tokens.record_stream(torch.cuda.current_stream(tokens.device))
         if "store_as_interval" in _planted.ACTIVE:
@@ -183,10 +183,10 @@ class FutureMap:
                 tokens[: self.capacity + 1 - first],
             )
         elif fi._start >= 0:
-            store_futures(self.token_map, range(fi._start, fi._start + len(fi)), tokens)
+            store_futures(self.token_map, range(fi._start, fi._start + len(fi)), tokens, err=self.err)
         else:
             dev_slots = torch.from_numpy(fi._slots).to(self.device, non_blocking=True)
-            store_futures(self.token_map, dev_slots, tokens)
+            store_futures(self.token_map, dev_slots, tokens, err=self.err)
         if self._state is not None:
             _debug.after_store(self, fi._slots, tokens)
 
@@ -282,6 +282,6 @@ def raise_if_flagged(err: Sequence[int] | np.ndarray) -> None:
     count, worst = int(err[0]), int(err[1])
     if count:
         raise FutureError(
-            f"{count} placeholder(s) pointed outside the FutureMap (most negative: {worst}); "
-            "they were replaced by token 0 and never read"
+            f"{count} placeholder(s) pointed outside the FutureMap or negative token(s) were stored "
+            f"(most negative: {worst}); they were replaced by token 0 and never read"
         )

@@ -149,6 +149,8 @@ def _host_index(keep: object, n: int) -> np.ndarray:
     if isinstance(keep, torch.Tensor):
         if keep.dim() != 1:
             raise ValueError(f"keep must be 1-D, got shape {tuple(keep.shape)}")
+        if keep.device.type == "meta":
+            raise ValueError("keep must hold data (a cpu or cuda tensor), got a tensor on the meta device")
         arr = keep.detach().cpu().numpy()
     elif isinstance(keep, np.ndarray | list | tuple | range):
         arr = np.asarray(keep)

@@ -311,6 +311,7 @@ class OverlapRuntime:
         finally:
             self.fmap.release(rec.out)
         if self.faults is not None and self.faults.gc_every_step:
+            self.faults.injected["gc"] += 1
             gc.collect()
 
     def _abort(self) -> None:

@@ -39,12 +39,16 @@ def _store_kernel(
     # Slot 0 is the padding row and never a target; anything outside [1, n_slots) is dropped.
     ok = mask & (slots >= 1) & (slots < n_slots)
     values = tl.load(values_ptr + offs, mask=mask, other=0)
-    tl.store(map_ptr + slots, values.to(map_ptr.dtype.element_ty), mask=ok)
     if HAS_ERR:
-        bad = mask & ~ok
+        # A negative token would resolve into a placeholder-like id: store 0 and flag it.
+        negative = ok & (values < 0)
+        values = tl.where(negative, tl.zeros_like(values), values)
+        bad = (mask & ~ok) | negative
         zero = tl.zeros([BLOCK], dtype=tl.int64)
         tl.atomic_add(err_ptr + zero, tl.full([BLOCK], 1, tl.int64), mask=bad)
-        tl.atomic_min(err_ptr + 1 + zero, -slots, mask=bad)
+        worst = tl.where(negative, tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64), -slots)
+        tl.atomic_min(err_ptr + 1 + zero, worst, mask=bad)
+    tl.store(map_ptr + slots, values.to(map_ptr.dtype.element_ty), mask=ok)
 
 
 def _check_store_args(token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor) -> int:
@@ -83,7 +87,8 @@ def store_futures(
             step 1 for a contiguous run (no index tensor is read then).
         values: ``[n]`` int32/int64, cast to ``token_map.dtype``.
         err: optional ``[2]`` int64 error flag. Slots outside ``[1, n_slots)`` are never written;
-            with ``err`` they are counted in ``err[0]`` and ``err[1]`` keeps ``min(-slot)``.
+            with ``err`` they are counted in ``err[0]`` and ``err[1]`` keeps ``min(-slot)``, and a
+            negative value is stored as 0 and counted (``err[1]`` keeps the value).
 
     Duplicate slots are the caller's bug: which value lands is unspecified. n == 0 is a no-op.
     """
@@ -119,6 +124,11 @@ def store_futures_ref(
     err: torch.Tensor | None = None,
 ) -> None:
     """Torch reference of :func:`store_futures` (also its CPU path without the interpreter)."""
+    if err is not None:
+        negative = values < 0
+        if bool(negative.any()):  # the reference runs on CPU: asking costs no device sync
+            record_bad_(err, negative, values)
+            values = torch.where(negative, torch.zeros_like(values), values)
     if isinstance(slots, range):
         token_map[slots.start : slots.stop] = values.to(token_map.dtype)
         return
