@@ -17,6 +17,7 @@ from tfuture.runtime import OverlapRuntime
 from tfuture.testing import (
     ContinuousBatcher,
     RequestSpec,
+    TinyTransformer,
     ToyGrammar,
     ToyModel,
     assert_equivalent,
@@ -68,6 +69,31 @@ def test_overlap_equals_sync(wl, kw, delay_ops):
     for s in specs:
         assert len(report.sync[s.rid]) <= s.max_new
     assert not worker_threads()
+
+
+def test_transformer_overlap_equals_sync_under_delays():
+    specs = random_workload(81, 8, vocab=VOCAB, max_new=10, max_prompt=20, grammar_share=0.3)
+    report = assert_equivalent(
+        lambda: TinyTransformer(VOCAB, max_requests=8, max_len=40),
+        specs,
+        grammar=ToyGrammar(VOCAB, seed=81),
+        delay=random_delay(81, 1e-3, ("prepare", "forward", "sample")),
+        capacity=32,
+        max_running=3,
+        chunk=5,
+    )
+    assert sum(len(t) for t in report.sync.values()) > 2 * len(specs)
+
+
+def test_transformer_reads_the_whole_sequence():
+    # Same last token and position, different earlier prompt: a context-free model would agree.
+    a = RequestSpec(0, 0, np.array([5, 9, 9, 7]), 6)
+    b = RequestSpec(0, 0, np.array([6, 9, 9, 7]), 6)
+    outs = [
+        run_workload(TinyTransformer(VOCAB, max_requests=2, max_len=16), [s], overlap=True, eos=-1)[0]
+        for s in (a, b)
+    ]
+    assert outs[0][0] != outs[1][0]
 
 
 def test_outputs_match_plain_generation():

@@ -9,11 +9,13 @@ from tfuture.testing.equivalence import (
     run_workload,
 )
 from tfuture.testing.toy import ToyGrammar, ToyModel, device_work, greedy_sample
+from tfuture.testing.transformer import TinyTransformer
 
 __all__ = [
     "ContinuousBatcher",
     "EquivalenceReport",
     "RequestSpec",
+    "TinyTransformer",
     "ToyGrammar",
     "ToyModel",
     "assert_equivalent",
