@@ -140,7 +140,7 @@ def write_meta(module: str, skipped: Sequence[str]) -> None:
         python=sys.version.split()[0],
         commit=commit,
         dirty=None if dirty is None else bool(dirty),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017 - GPU images may run Python < 3.11
         ci=CI,
         cuda=torch.version.cuda if HAS_CUDA else None,
         torch_threads=torch.get_num_threads(),

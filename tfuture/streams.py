@@ -57,7 +57,9 @@ class ForwardStream(ABC):
     def _fail(self, exc: BaseException, name: str, step: int) -> None:
         with self._lock:
             if self._error is None:
-                exc.add_note(f"tfuture: raised on the forward stream in '{name}' of step {step}")
+                note = f"tfuture: raised on the forward stream in '{name}' of step {step}"
+                if hasattr(exc, "add_note"):  # Python >= 3.11; a GPU image may run an older one
+                    exc.add_note(note)
                 self._error = exc
 
     def raise_if_failed(self) -> None:
