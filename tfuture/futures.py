@@ -238,6 +238,13 @@ class FutureMap:
         self.err.zero_()
         raise_if_flagged(flags)
 
+    def release_live(self, handles: list[FutureIndices]) -> None:
+        """Release every handle of ``handles`` that is still live, then empty the list."""
+        for h in handles:
+            if not h.released:
+                self.release(h)
+        handles.clear()
+
     def _check_generations(self, fi: FutureIndices, what: str) -> None:
         assert self._gen is not None and fi._gens is not None
         stale = fi._slots[self._gen[fi._slots] != fi._gens]

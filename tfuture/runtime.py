@@ -23,7 +23,7 @@ from tfuture.batch import Batch, ForwardBatch, Model, Scheduler, StepResult
 from tfuture.faults import FaultPlan
 from tfuture.futures import FutureError, FutureIndices, FutureMap, FutureMapFull, raise_if_flagged
 from tfuture.staging import Staging, StagingRing
-from tfuture.streams import Delay, ForwardStream, Marker, Span, make_stream
+from tfuture.streams import Delay, ForwardStream, Marker, Span, drain_and_close, make_stream
 from tfuture.trace import RunStats
 
 __all__ = ["FutureError", "FutureIndices", "FutureMap", "FutureMapFull", "OverlapRuntime"]
@@ -206,7 +206,7 @@ class OverlapRuntime:
             staging = self._in_ring.acquire(total, stream)
             out = self.fmap.alloc(sample_reqs.size)
         except BaseException:
-            self._release_all(batch.consumes)
+            self.fmap.release_live(batch.consumes)
             raise
         batch.out = out
         # One host buffer and one H2D copy for all of the step's index data.
@@ -247,7 +247,7 @@ class OverlapRuntime:
         staging.marker = stream.record()
         self._submit("forward", rec.step, forward)
         # The resolve that reads these placeholders is enqueued: stream order protects them.
-        self._release_all(batch.consumes)
+        self.fmap.release_live(batch.consumes)
         if not batch.delayed:
             self._launch_sample(rec, None)
         if self.trace:
@@ -316,20 +316,9 @@ class OverlapRuntime:
 
     def _abort(self) -> None:
         """Drain and stop the stream, then release every handle the runtime still holds."""
-        stream = self._stream
-        if stream is not None:
-            try:
-                stream.wait(stream.record())
-            except BaseException:
-                pass  # the first failure is the one that re-raises
-            stream.close()
+        if self._stream is not None:
+            drain_and_close(self._stream)
         self.fmap.device_exec = None
         for rec in self._inflight:
-            self._release_all([rec.out, *rec.batch.consumes])
+            self.fmap.release_live([rec.out, *rec.batch.consumes])
         self._inflight = []
-
-    def _release_all(self, handles: list[FutureIndices]) -> None:
-        for h in handles:
-            if not h.released:
-                self.fmap.release(h)
-        handles.clear()

@@ -34,7 +34,7 @@ from tfuture.spec_batch import (
     greedy_accept,
     spec_fields,
 )
-from tfuture.streams import Delay, ForwardStream, Marker, make_stream
+from tfuture.streams import Delay, ForwardStream, Marker, drain_and_close, make_stream
 
 
 @dataclass(slots=True, eq=False)
@@ -111,7 +111,7 @@ class SpecRuntime:
                     prev = None
             if prev is not None:
                 self._finish(prev, scheduler, stats)
-            self._release_all(self._deferred)
+            self.fmap.release_live(self._deferred)
             self._stream.close()
         except BaseException:
             self._abort()
@@ -143,14 +143,14 @@ class SpecRuntime:
     def _launch(self, batch: SpecBatch) -> _InFlight:
         """Enqueue prepare, verify, draft, store and the host copy; no host sync."""
         if not isinstance(batch, SpecBatch) or batch.out is not None:
-            self._release_all(getattr(batch, "consumes", []))
+            self.fmap.release_live(getattr(batch, "consumes", []))
             raise TypeError(f"schedule() must return a fresh SpecBatch or None, got {batch!r}")
         n = batch.last.size
         try:
             batch.out = self.fmap.alloc(n)
             staging = self._acquire_staging(n)
         except BaseException:
-            self._release_all(batch.consumes)
+            self.fmap.release_live(batch.consumes)
             raise
         # One host array and one H2D copy for all of the step's index data.
         packed = torch.from_numpy(np.concatenate([batch.last, batch.seq_lens, batch.req_ids]))
@@ -193,8 +193,8 @@ class SpecRuntime:
         assert stream is not None
         stream.submit("prepare", rec.step, prepare)
         # The prepare that reads these placeholders is enqueued: stream order protects them.
-        self._release_all(batch.consumes)
-        self._release_all(self._deferred)
+        self.fmap.release_live(batch.consumes)
+        self.fmap.release_live(self._deferred)
         stream.submit("verify", rec.step, verify)
         stream.submit("draft", rec.step, draft)
         stream.submit("store", rec.step, lambda: fields.store(rec.out, rec.payload))
@@ -223,20 +223,9 @@ class SpecRuntime:
 
     def _abort(self) -> None:
         """Drain and stop the stream, then release every handle the runtime still holds."""
-        stream = self._stream
-        if stream is not None:
-            try:
-                stream.wait(stream.record())
-            except BaseException:
-                pass  # the first failure is the one that re-raises
-            stream.close()
+        if self._stream is not None:
+            drain_and_close(self._stream)
         for rec in self._inflight:
-            self._release_all([rec.out, *rec.batch.consumes])
+            self.fmap.release_live([rec.out, *rec.batch.consumes])
         self._inflight = []
-        self._release_all(self._deferred)
-
-    def _release_all(self, handles: list[FutureIndices]) -> None:
-        for h in handles:
-            if not h.released:
-                self.fmap.release(h)
-        handles.clear()
+        self.fmap.release_live(self._deferred)

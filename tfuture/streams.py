@@ -228,6 +228,19 @@ class CudaStream(ForwardStream):
         self._collect_spans()
 
 
+def drain_and_close(stream: ForwardStream) -> None:
+    """Let everything submitted finish (or be skipped after a failure), then stop the stream.
+
+    For error paths: a failure of the stream itself is swallowed here, since the first
+    failure is the one that re-raises to the caller.
+    """
+    try:
+        stream.wait(stream.record())
+    except BaseException:
+        pass
+    stream.close()
+
+
 def make_stream(device: torch.device, delay: Delay | None = None, trace: bool = True) -> ForwardStream:
     """The forward stream for ``device``: CUDA streams on CUDA, the worker thread on CPU."""
     if device.type == "cuda":

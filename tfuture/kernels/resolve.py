@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +16,7 @@ from tfuture.kernels._common import (
     record_bad_,
     use_triton,
 )
+from tfuture.kernels._resolve_host import prepare_cpu_into, resolve_host_
 
 
 @triton.jit
@@ -104,31 +104,10 @@ def resolve_futures_ref(
 ) -> torch.Tensor:
     """Torch reference of :func:`resolve_futures_` (also its CPU path without the interpreter)."""
     if ids.device.type == "cpu":
-        _resolve_host_(ids.numpy(), token_map.numpy(), err)
+        resolve_host_(ids.numpy(), token_map.numpy(), err)
     else:
         ids.copy_(_resolved(ids, token_map, err))
     return ids
-
-
-def _resolve_host_(ids: np.ndarray, token_map: np.ndarray, err: torch.Tensor | None) -> None:
-    """In place on host arrays (CPU tensors share their memory); numpy costs far less per call
-    than a chain of small torch ops, and on the host reading a count costs no sync."""
-    where = np.flatnonzero(ids < 0)
-    if not where.size:
-        return
-    # Negate in int64: the int32 minimum then becomes 2**31 (out of range), and the int64
-    # minimum wraps to itself (negative, out of range): both are bad, never read.
-    slots = -ids[where].astype(np.int64)
-    ok = (slots >= 1) & (slots < token_map.size)
-    if ok.all():
-        ids[where] = token_map[slots]
-        return
-    ids[where[ok]] = token_map[slots[ok]]
-    bad = where[~ok]
-    if err is not None:
-        err[0] += bad.size
-        err[1] = min(int(err[1]), int(ids[bad].min()))
-        ids[bad] = 0
 
 
 def _resolved(ids: torch.Tensor, token_map: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
@@ -333,7 +312,7 @@ def _prepare_ref_into(
 ) -> None:
     n_rows, n_tok = out.input_ids.numel(), tokens.numel()
     seg = seg_starts.to(torch.int64)
-    if tokens.device.type == "cpu" and _prepare_cpu_into(tokens, seg, prefix_lens, token_map, out, err):
+    if tokens.device.type == "cpu" and prepare_cpu_into(tokens, seg, prefix_lens, token_map, out, err):
         return
     total = seg[-1].clamp(max=n_tok)
     rows = torch.arange(n_rows, device=tokens.device)
@@ -349,35 +328,3 @@ def _prepare_ref_into(
         out.last_rows.copy_((torch.minimum(seg[1:], total) - 1).clamp(min=0))
     else:
         out.positions.zero_()
-
-
-def _prepare_cpu_into(
-    tokens: torch.Tensor,
-    seg: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    token_map: torch.Tensor,
-    out: PreparedInputs,
-    err: torch.Tensor | None,
-) -> bool:
-    """The CPU path, in numpy on the tensors' memory: live rows only, host counts cost no sync.
-
-    Returns False (nothing written) when the segments are not well formed (``seg[0] != 0`` or
-    decreasing); the general path then gives the kernel's exact answer for them too.
-    """
-    sg = seg.numpy()
-    total = min(int(sg[-1]), tokens.numel())
-    seg_c = np.minimum(sg, total)
-    lens = np.diff(seg_c)
-    if sg[0] != 0 or (lens < 0).any():
-        return False
-    # Resolve in the stream's dtype, then cast into the output, as the kernel does.
-    live = tokens.numpy()[:total].copy()
-    _resolve_host_(live, token_map.numpy(), err)
-    ids, pos = out.input_ids.numpy(), out.positions.numpy()
-    ids[:total] = live
-    ids[total:] = 0
-    pos[total:] = 0
-    if prefix_lens.numel():
-        pos[:total] = np.repeat(prefix_lens.numpy() - seg_c[:-1], lens) + np.arange(total)
-        out.last_rows.numpy()[:] = np.maximum(seg_c[1:] - 1, 0)
-    return True
