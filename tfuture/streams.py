@@ -173,6 +173,8 @@ class CudaStream(ForwardStream):
         super().__init__(delay, trace)
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        # Work enqueued before the run (the map's zeroed buffers, model weights) happens first.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self._pending: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] = []
         self._origin: tuple[torch.cuda.Event, float] | None = None
 
