@@ -10,6 +10,6 @@ import sys
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 # The interpreter runs about 0.45 ms per program: timing it says nothing about tfuture. Without
-# it, tfuture's CPU path is its torch reference, which is what the CPU numbers measure.
+# it, tfuture takes its CPU reference path (numpy or torch on the host), which the CPU numbers measure.
 if os.environ.pop("TRITON_INTERPRET", "0") == "1":
     print("perf: ignoring TRITON_INTERPRET=1 (benchmarks time the real paths)", file=sys.stderr)

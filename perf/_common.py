@@ -251,7 +251,7 @@ def timed_line(
 
 def host_where(launch: str = "GPU launch, no sync") -> str:
     """What a host-cost plot's title says it measures: ``launch`` on a GPU, the torch path on CPU."""
-    return launch if HAS_CUDA else "CPU: tfuture runs its torch reference path"
+    return launch if HAS_CUDA else "CPU: tfuture runs its CPU reference path"
 
 
 def with_empty_launch(lines: Sequence[str], skipped: list[str], plot: str) -> list[str]:

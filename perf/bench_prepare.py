@@ -6,7 +6,7 @@
 
 * ``tfuture``: ``prepare_inputs(tokens, seg_starts, prefix_lens, token_map, out=..., err=...)``
   on the mixed stream (built on the host as one tensor), writing into preallocated outputs as
-  under CUDA-graph capture. On CPU it is the launcher's checks plus its torch reference.
+  under CUDA-graph capture. On CPU it is the launcher's checks plus its CPU path (numpy).
 * ``torch``: :func:`prepare_unfused` below: cat of the prefill tokens and the decode
   placeholders (as an engine merges a prefill batch with its running decodes), gather + where
   to resolve, cumsum for the last-token rows, arange minus repeat_interleave for positions.

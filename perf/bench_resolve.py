@@ -4,7 +4,7 @@
 a map of 8192 slots. Lines:
 
 * ``tfuture``: ``resolve_futures_(ids, token_map, err=err)``, the call ``FutureMap.resolve`` makes.
-  On CPU (no ``TRITON_INTERPRET``) this is the launcher's checks plus its torch reference.
+  On CPU (no ``TRITON_INTERPRET``) this is the launcher's checks plus its CPU path (numpy).
 * ``torch``: the engines' eager reference, ``ids[:] = where(ids < 0, map[clamp(-ids, 0)], ids)``
   (no bounds check, no error flag: the cheapest correct-input torch version).
 * ``torch_ref``: ``tfuture.kernels.resolve.resolve_futures_ref`` with the error flag (same

@@ -82,7 +82,7 @@ class SoakReport:
     equivalence_checked: int = 0
     sync_steps: int = 0
     faults: Counter[str] = field(default_factory=Counter)
-    gc_steps: int = 0  # steps followed by a forced gc.collect() (FaultPlan does not count these)
+    gc_steps: int = 0  # steps of episodes whose plan forces a gc.collect() after each step
     raised_episodes: int = 0
     slots_in_use_end: int = 0
     rss_warm_mib: float = 0.0
@@ -118,8 +118,7 @@ class SoakReport:
             f"{self.equivalence_checked} checked against sync, {self.raised_episodes} stopped by a fault)",
             f"requests:            {self.requests} ({self.aborted} aborted)",
             f"tokens:              {self.tokens} delivered, {self.extra_tokens} discarded (extra steps)",
-            f"faults injected:     {sum(self.faults.values())} ({faults}), "
-            f"plus a gc.collect() after {self.gc_steps} steps",
+            f"faults injected:     {sum(self.faults.values())} ({faults}; gc = forced collections)",
             f"slots in use at end: {self.slots_in_use_end}",
             f"peak RSS:            {self.peak_rss_mib:.1f} MiB",
             f"RSS growth:          {self.rss_growth_mib:+.1f} MiB after warm-up "
