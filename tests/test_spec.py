@@ -7,6 +7,7 @@ with random delays on the forward stream, and hands every slot back.
 """
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -186,3 +187,40 @@ def test_failure_in_verify_surfaces_and_releases_slots() -> None:
         SpecRuntime(model, fmap, overlap=True, delay=random_delay(5)).run(SpecBatcher(specs, fmap))
     assert any("step 2" in note for note in getattr(info.value, "__notes__", []))
     assert fmap.in_use == 0 and threading.active_count() == threads
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_failed_spec_run_leaks_no_slot_when_the_host_is_slow(seed):
+    # Regression: the step's handle was allocated before its staging buffer; waiting for that
+    # buffer re-raised the stream's failure and the fresh handle was never released.
+    from tfuture.spec_runtime import SpecRuntime
+    from tfuture.testing.driver import random_workload
+    from tfuture.testing.spec import SpecBatcher, ToySpecModel
+    from tfuture.testing.toy import ToyModel
+
+    specs = random_workload(seed, 4, max_prompt=6, max_new=30, arrival_span=0)
+    fmap = FutureMap(64, device="cpu")
+    sched = SpecBatcher(specs, fmap)
+    process = sched.process
+
+    def slow_process(result):
+        time.sleep(0.02)  # host work longer than a device step: the failure lands mid-launch
+        return process(result)
+
+    sched.process = slow_process
+    with pytest.raises(RuntimeError, match="planted failure"):
+        SpecRuntime(ToySpecModel(ToyModel(fail_at=5), k=2), fmap, overlap=True).run(sched)
+    assert fmap.in_use == 0
+
+
+def test_fields_accept_a_map_made_with_an_unindexed_device():
+    # Regression: FutureMap kept the device as given ("cuda", here "cpu:0") while tensors report
+    # their own form, so every FutureFields.store was refused as "on another device".
+    from tfuture.fields import FutureFields
+
+    fmap = FutureMap(4, device="cpu:0")
+    assert fmap.device == fmap.token_map.device
+    fields = FutureFields(fmap, {"x": ((), torch.int64)})
+    fi = fmap.alloc(2)
+    fields.store(fi, {"x": torch.tensor([1, 2])})
+    assert fields.gather(fi, ["x"])["x"].tolist() == [1, 2]

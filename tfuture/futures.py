@@ -66,6 +66,8 @@ class FutureMap:
         self.dtype: torch.dtype = dtype
         self.debug: bool = bool(debug)
         self.token_map: torch.Tensor = torch.zeros(self.capacity + 1, dtype=dtype, device=self.device)
+        # "cuda" becomes "cuda:0": tensors report an indexed device, and comparisons must match.
+        self.device = self.token_map.device
         self.err: torch.Tensor = torch.zeros(ERR_LEN, dtype=torch.int64, device=self.device)
         # refs[s] = live handles naming slot s; slot 0 is pinned so it is never free.
         # int64: np.add.at with a Python int takes its fast path only on a matching dtype.

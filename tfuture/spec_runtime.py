@@ -89,7 +89,9 @@ class SpecRuntime:
         releases every handle the runtime holds, and re-raises here with its traceback.
         """
         stats = SpecStats("overlap" if self.overlap else "sync")
-        self._stream = make_stream(self.fmap.device, self.delay, trace=False)
+        self._stream = stream = make_stream(self.fmap.device, self.delay, trace=False)
+        # Debug-mode device effects of alloc/release stay ordered with this stream's work.
+        self.fmap.device_exec = lambda fn: stream.submit("debug", -1, fn)
         t0 = time.perf_counter()
         try:
             prev: _InFlight | None = None
@@ -118,6 +120,7 @@ class SpecRuntime:
             raise
         finally:
             stats.wall = time.perf_counter() - t0
+            self.fmap.device_exec = None
             self._stream = None
         return stats
 
@@ -147,8 +150,8 @@ class SpecRuntime:
             raise TypeError(f"schedule() must return a fresh SpecBatch or None, got {batch!r}")
         n = batch.last.size
         try:
-            batch.out = self.fmap.alloc(n)
             staging = self._acquire_staging(n)
+            batch.out = self.fmap.alloc(n)
         except BaseException:
             self.fmap.release_live(batch.consumes)
             raise
@@ -225,6 +228,7 @@ class SpecRuntime:
         """Drain and stop the stream, then release every handle the runtime still holds."""
         if self._stream is not None:
             drain_and_close(self._stream)
+        self.fmap.device_exec = None
         for rec in self._inflight:
             self.fmap.release_live([rec.out, *rec.batch.consumes])
         self._inflight = []

@@ -240,7 +240,10 @@ def drain_and_close(stream: ForwardStream) -> None:
         stream.wait(stream.record())
     except BaseException:
         pass
-    stream.close()
+    try:
+        stream.close()
+    except BaseException:
+        pass  # a sticky CUDA error: the slots must still be released after this
 
 
 def make_stream(device: torch.device, delay: Delay | None = None, trace: bool = True) -> ForwardStream:

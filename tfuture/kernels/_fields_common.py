@@ -6,9 +6,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-import triton
 
-from tfuture.kernels._common import INT_DTYPES, check_same_device, check_vector
+from tfuture.kernels._common import INT_DTYPES, cdiv, check_same_device, check_vector, next_pow2
 
 _WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # A column tile is at most 512 words, and a row is copied in at most 8 unrolled chunks.
@@ -25,7 +24,7 @@ def as_words(t: torch.Tensor) -> torch.Tensor:
 
 def block_cols(width: int) -> int:
     """Columns per tile for a field of ``width`` words: at most 8 unrolled chunks per row."""
-    return max(min(triton.next_power_of_2(width), _COL_CAP), triton.next_power_of_2(triton.cdiv(width, 8)))
+    return max(min(next_pow2(width), _COL_CAP), next_pow2(cdiv(width, 8)))
 
 
 def row_width(t: torch.Tensor) -> int:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfuture.kernels._common import check_err, record_bad_, use_triton
+from tfuture.kernels._common import cdiv, check_err, next_pow2, record_bad_, use_triton
 from tfuture.kernels._fields_common import (
     as_words,
     block_cols,
@@ -35,7 +35,8 @@ _TILE = 4096
 _ROW_CAP = 64
 
 
-@triton.jit
+# Sizes change every step: specializing on them (==1, %16) would recompile mid-step.
+@triton.jit(do_not_specialize=["n_rows", "n_slots", "slot_start"])
 def _fields_kernel(
     slots_ptr,
     src_ptrs,
@@ -71,7 +72,8 @@ def _fields_kernel(
     else:
         src_rows, dst_rows, src_ok, dst_ok = rows, slots, live, ok
     for f in tl.static_range(len(WIDTHS)):
-        for c in tl.static_range(CHUNKS[f]):
+        # triton 3.6 hands CHUNKS[f] back as a plain int: wrap it for static_range.
+        for c in tl.static_range(tl.constexpr(CHUNKS[f])):
             cols = c * BLOCK_C[f] + tl.arange(0, BLOCK_C[f])
             in_row = cols[None, :] < WIDTHS[f]
             src = src_ptrs[f] + src_rows[:, None] * src_strides[f] + cols[None, :]
@@ -101,12 +103,12 @@ def _launch(
     vals = tuple(as_words(values[i]) for i in live)
     val_strides = tuple(row_stride(f"values[{i}]", values[i]) for i in live)
     block_c = tuple(block_cols(w) for w in widths)
-    block_r = max(1, min(_ROW_CAP, _TILE // max(block_c), triton.next_power_of_2(n)))
+    block_r = max(1, min(_ROW_CAP, _TILE // max(block_c), next_pow2(n)))
     src, dst = (bufs, vals) if gather else (vals, bufs)
     src_strides, dst_strides = (widths, val_strides) if gather else (val_strides, widths)
     contiguous = isinstance(slots, range)
     ref = buffers[0]
-    _fields_kernel[(triton.cdiv(n, block_r),)](
+    _fields_kernel[(cdiv(n, block_r),)](
         ref if contiguous else slots,
         src,
         dst,
@@ -118,7 +120,7 @@ def _launch(
         slots.start if isinstance(slots, range) else 0,
         WIDTHS=widths,
         BLOCK_C=block_c,
-        CHUNKS=tuple(triton.cdiv(w, b) for w, b in zip(widths, block_c, strict=True)),
+        CHUNKS=tuple(cdiv(w, b) for w, b in zip(widths, block_c, strict=True)),
         BLOCK_R=block_r,
         GATHER=gather,
         CONTIGUOUS=contiguous,

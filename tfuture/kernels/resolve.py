@@ -10,10 +10,12 @@ import triton.language as tl
 
 from tfuture.kernels._common import (
     block_for,
+    cdiv,
     check_err,
     check_same_device,
     check_vector,
     record_bad_,
+    search_steps,
     use_triton,
 )
 from tfuture.kernels._resolve_host import prepare_cpu_into, resolve_host_
@@ -38,7 +40,8 @@ def _resolve_block(ids, live, map_ptr, err_ptr, n_slots, BLOCK: tl.constexpr, HA
     return out
 
 
-@triton.jit
+# Sizes change every step: specializing on them (==1, %16) would recompile mid-step.
+@triton.jit(do_not_specialize=["n_ids", "n_slots"])
 def _resolve_kernel(
     ids_ptr,
     map_ptr,
@@ -87,7 +90,7 @@ def resolve_futures_(
     if not use_triton(ids):
         return resolve_futures_ref(ids, token_map, err=err)
     block = block_for(n)
-    _resolve_kernel[(triton.cdiv(n, block),)](
+    _resolve_kernel[(cdiv(n, block),)](
         ids,
         token_map,
         token_map if err is None else err,
@@ -135,7 +138,8 @@ class PreparedInputs(NamedTuple):
     last_rows: torch.Tensor  # [n_reqs] int64, row of each request's last token (sampler rows)
 
 
-@triton.jit
+# Sizes change every step: specializing on them (==1, %16) would recompile mid-step.
+@triton.jit(do_not_specialize=["n_tokens", "n_reqs", "n_rows", "n_slots"])
 def _prepare_kernel(
     tokens_ptr,
     seg_ptr,
@@ -262,7 +266,7 @@ def prepare_inputs(
         _prepare_ref_into(tokens, seg_starts, prefix_lens, token_map, out, err)
         return out
     block = block_for(n_prog)
-    _prepare_kernel[(triton.cdiv(n_prog, block),)](
+    _prepare_kernel[(cdiv(n_prog, block),)](
         tokens,
         seg_starts,
         prefix_lens,
@@ -274,7 +278,7 @@ def prepare_inputs(
         n_rows,
         token_map.numel(),
         BLOCK=block,
-        SEARCH_STEPS=max(n_reqs - 1, 0).bit_length(),
+        SEARCH_STEPS=search_steps(n_reqs),
         HAS_ERR=err is not None,
     )
     return out

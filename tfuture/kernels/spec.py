@@ -17,9 +17,11 @@ import triton.language as tl
 
 from tfuture.kernels._common import (
     INT_DTYPES,
+    cdiv,
     check_err,
     check_same_device,
     check_vector,
+    next_pow2,
     record_bad_,
     use_triton,
 )
@@ -35,7 +37,8 @@ class SpecInputs(NamedTuple):
     n_draft: torch.Tensor  # [n_rows] int64: valid drafts per row (k from a slot, 0 for a fresh one)
 
 
-@triton.jit
+# Sizes change every step: specializing on them (==1, %16) would recompile mid-step.
+@triton.jit(do_not_specialize=["n_reqs", "n_rows", "n_slots"])
 def _spec_prepare_kernel(
     last_ptr,
     lens_ptr,
@@ -194,9 +197,9 @@ def prepare_spec_inputs(
     if not use_triton(accept_len):
         _spec_ref_into(last, seq_lens, tokens, accept_len, new_seq_len, draft_tokens, out, err)
         return out
-    block_w = triton.next_power_of_2(k + 1)
-    block_r = max(1, min(_ROW_CAP, 4096 // block_w, triton.next_power_of_2(n_rows)))
-    _spec_prepare_kernel[(triton.cdiv(n_rows, block_r),)](
+    block_w = next_pow2(k + 1)
+    block_r = max(1, min(_ROW_CAP, 4096 // block_w, next_pow2(n_rows)))
+    _spec_prepare_kernel[(cdiv(n_rows, block_r),)](
         last,
         seq_lens,
         tokens,

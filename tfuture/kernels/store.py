@@ -9,6 +9,7 @@ import triton.language as tl
 
 from tfuture.kernels._common import (
     block_for,
+    cdiv,
     check_err,
     check_same_device,
     check_vector,
@@ -17,7 +18,8 @@ from tfuture.kernels._common import (
 )
 
 
-@triton.jit
+# Sizes change every step: specializing on them (==1, %16) would recompile mid-step.
+@triton.jit(do_not_specialize=["n_values", "n_slots", "slot_start"])
 def _store_kernel(
     map_ptr,
     slots_ptr,
@@ -103,7 +105,7 @@ def store_futures(
         return
     block = block_for(n)
     contiguous = isinstance(slots, range)
-    _store_kernel[(triton.cdiv(n, block),)](
+    _store_kernel[(cdiv(n, block),)](
         token_map,
         values if contiguous else slots,
         values,
