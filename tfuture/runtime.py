@@ -264,12 +264,24 @@ class OverlapRuntime:
                     f"build_mask must return a bool [n_sample={n}, vocab] mask, got "
                     f"{rec.mask.dtype} of shape {tuple(rec.mask.shape)}"
                 )
+        mask_ready = None
+        if rec.mask is not None and self.fmap.device.type == "cuda":
+            if rec.mask.is_cuda:
+                # Built on the caller's stream: the forward stream must wait for it.
+                mask_ready = torch.cuda.Event()
+                mask_ready.record()
+            else:
+                # Pinned (torch's caching host allocator keeps it until the copy ran): a truly
+                # async H2D copy, where pageable memory may make the host wait.
+                rec.mask = rec.mask.pin_memory()
         assert self._stream is not None
         staging = rec.staging = self._out_ring.acquire(n + 2, self._stream)
         fmap, model, dev = self.fmap, self.model, self.fmap.device
 
         def sample() -> None:
             assert rec.fwd is not None and rec.logits is not None
+            if mask_ready is not None:
+                torch.cuda.current_stream(dev).wait_event(mask_ready)
             mask_dev = None if rec.mask is None else rec.mask.to(dev, non_blocking=True)
             tokens = model.sample(rec.logits, rec.fwd, mask_dev)
             if not isinstance(tokens, torch.Tensor) or tokens.shape != (n,):
