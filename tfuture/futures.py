@@ -22,8 +22,8 @@ import torch
 from tfuture import _debug, _planted
 from tfuture.indices import FutureIndices
 from tfuture.kernels._common import ERR_LEN, INT_DTYPES, check_same_device, check_vector
-from tfuture.kernels.resolve import PreparedInputs, prepare_inputs, resolve_futures_
-from tfuture.kernels.store import store_futures
+from tfuture.kernels.resolve import PreparedInputs, launch_resolve_, prepare_inputs
+from tfuture.kernels.store import launch_store, store_futures
 
 
 class FutureMapFull(RuntimeError):
@@ -185,10 +185,11 @@ class FutureMap:
                 tokens[: self.capacity + 1 - first],
             )
         elif fi._start >= 0:
-            store_futures(self.token_map, range(fi._start, fi._start + len(fi)), tokens, err=self.err)
+            # tokens were checked above; the map and the handle's slots are the map's own.
+            launch_store(self.token_map, range(fi._start, fi._start + len(fi)), tokens, self.err)
         else:
             dev_slots = torch.from_numpy(fi._slots).to(self.device, non_blocking=True)
-            store_futures(self.token_map, dev_slots, tokens, err=self.err)
+            launch_store(self.token_map, dev_slots, tokens, self.err)
         if self._state is not None:
             _debug.after_store(self, fi._slots, tokens)
 
@@ -204,9 +205,9 @@ class FutureMap:
         if self._state is not None:
             _debug.before_read(self, ids)
         if "skip_resolve" in _planted.ACTIVE:
-            resolve_futures_(ids, self.token_map[:1])
+            launch_resolve_(ids, self.token_map[:1], None)
         else:
-            resolve_futures_(ids, self.token_map, err=self.err)
+            launch_resolve_(ids, self.token_map, self.err)
         if self._state is not None:
             _debug.after_read(self, ids)
         return ids
@@ -221,8 +222,8 @@ class FutureMap:
         out: PreparedInputs | None = None,
     ) -> PreparedInputs:
         """:func:`tfuture.kernels.resolve.prepare_inputs` against this map, with its checks."""
-        self._check_ids(tokens)
         if self._state is not None:
+            self._check_ids(tokens)  # before the debug read; otherwise the launcher checks
             _debug.before_read(self, tokens)
         if "skip_resolve" in _planted.ACTIVE:
             res = prepare_inputs(tokens, seg_starts, prefix_lens, self.token_map[:1], n_rows=n_rows, out=out)

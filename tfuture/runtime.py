@@ -328,9 +328,16 @@ class OverlapRuntime:
 
     def _abort(self) -> None:
         """Drain and stop the stream, then release every handle the runtime still holds."""
-        if self._stream is not None:
-            drain_and_close(self._stream)
-        self.fmap.device_exec = None
-        for rec in self._inflight:
-            self.fmap.release_live([rec.out, *rec.batch.consumes])
+        abandon(self._stream, self.fmap, [h for r in self._inflight for h in (r.out, *r.batch.consumes)])
         self._inflight = []
+
+
+def abandon(stream: ForwardStream | None, fmap: FutureMap, handles: list[FutureIndices]) -> None:
+    """A runtime's error path: drain and stop ``stream``, then release every live handle.
+
+    The stream's own failure, if any, is swallowed: the first failure is the one that re-raises.
+    """
+    if stream is not None:
+        drain_and_close(stream)
+    fmap.device_exec = None
+    fmap.release_live(handles)

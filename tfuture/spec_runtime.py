@@ -24,6 +24,7 @@ from tfuture import FutureIndices, FutureMap
 from tfuture.fields import FutureFields
 from tfuture.futures import raise_if_flagged
 from tfuture.kernels.spec import SpecInputs, prepare_spec_inputs
+from tfuture.runtime import abandon
 from tfuture.spec_batch import (
     HOST_FIELDS,
     SpecBatch,
@@ -34,7 +35,7 @@ from tfuture.spec_batch import (
     greedy_accept,
     spec_fields,
 )
-from tfuture.streams import Delay, ForwardStream, Marker, drain_and_close, make_stream
+from tfuture.streams import Delay, ForwardStream, Marker, make_stream
 
 
 @dataclass(slots=True, eq=False)
@@ -226,10 +227,7 @@ class SpecRuntime:
 
     def _abort(self) -> None:
         """Drain and stop the stream, then release every handle the runtime still holds."""
-        if self._stream is not None:
-            drain_and_close(self._stream)
-        self.fmap.device_exec = None
-        for rec in self._inflight:
-            self.fmap.release_live([rec.out, *rec.batch.consumes])
+        held = [h for r in self._inflight for h in (r.out, *r.batch.consumes)]
+        abandon(self._stream, self.fmap, held + self._deferred)
         self._inflight = []
-        self.fmap.release_live(self._deferred)
+        self._deferred = []

@@ -84,6 +84,11 @@ def resolve_futures_(
     Runs one launch on the current stream and never synchronizes with the host.
     """
     _check_resolve_args(ids, token_map, err)
+    return launch_resolve_(ids, token_map, err)
+
+
+def launch_resolve_(ids: torch.Tensor, token_map: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
+    """:func:`resolve_futures_` without its argument checks, for callers that made them already."""
     n = ids.numel()
     if n == 0:
         return ids

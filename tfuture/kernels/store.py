@@ -54,7 +54,7 @@ def _store_kernel(
     tl.store(map_ptr + slots, values.to(map_ptr.dtype.element_ty), mask=ok)
 
 
-def _check_store_args(token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor) -> int:
+def _check_store_args(token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor) -> None:
     check_vector("token_map", token_map)
     check_vector("values", values)
     check_same_device("values", values, "token_map", token_map)
@@ -72,7 +72,6 @@ def _check_store_args(token_map: torch.Tensor, slots: torch.Tensor | range, valu
         n = slots.numel()
     if values.numel() != n:
         raise ValueError(f"values must have one entry per slot ({n}), got {values.numel()}")
-    return n
 
 
 def store_futures(
@@ -95,9 +94,17 @@ def store_futures(
 
     Duplicate slots are the caller's bug: which value lands is unspecified. n == 0 is a no-op.
     """
-    n = _check_store_args(token_map, slots, values)
+    _check_store_args(token_map, slots, values)
     if err is not None:
         check_err(err, token_map)
+    launch_store(token_map, slots, values, err)
+
+
+def launch_store(
+    token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor, err: torch.Tensor | None
+) -> None:
+    """:func:`store_futures` without its argument checks, for callers that made them already."""
+    n = values.numel()
     if n == 0:
         return
     if not use_triton(token_map):
