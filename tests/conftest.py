@@ -1,6 +1,7 @@
 """Test set-up: the Triton interpreter on CPU-only machines, set before tfuture is imported."""
 
 import os
+import sys
 
 import torch
 
@@ -8,6 +9,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+
+# Test-only helpers (planted defects) import as plain modules from any test folder.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -7,7 +7,8 @@ wrong tokens), while out-of-range placeholders are still flagged through ``err``
 import pytest
 import torch
 
-from tfuture import FutureError, FutureIndices, FutureMap, _planted
+from tfuture import FutureError, FutureIndices, FutureMap
+from defects import plant
 
 CAP = 8
 
@@ -85,7 +86,7 @@ def test_store_after_release_through_a_stale_alias(dmap, device):
     fi = dmap.alloc(2)
     kept = fi.filter([0, 1])
     # The planted defect frees the slots although ``kept`` still names them: a stale alias.
-    with _planted.plant("ignore_refcount"):
+    with plant("ignore_refcount"):
         dmap.release(fi)
     with pytest.raises(FutureError, match=r"store of slot 1 which is free \(released\)"):
         dmap.store(kept, _tokens(2, device=device))
@@ -134,7 +135,7 @@ def test_stale_handle_after_its_slot_was_reused(dmap):
     a = dmap.alloc(2)
     kept = a.filter([0])
     # A refcount bug frees slot 1 although `kept` still names it; the ring then hands it out again.
-    with _planted.plant("ignore_refcount"):
+    with plant("ignore_refcount"):
         dmap.release(a)
     again = dmap.alloc(CAP)
     assert 1 in again.slots.tolist()
@@ -147,7 +148,7 @@ def test_handle_confusion_store_is_read_back(dmap, device):
     a, b = dmap.alloc(2), dmap.alloc(2)
     joined = FutureIndices.cat([b, a])  # slots 6, 7, 4, 5: no single interval
     # The engines' bug: a store through a merged handle treated as [slots[0], slots[0] + n).
-    with _planted.plant("store_as_interval"), pytest.raises(FutureError, match=r"did not land in slot"):
+    with plant("store_as_interval"), pytest.raises(FutureError, match=r"did not land in slot"):
         dmap.store(joined, _tokens(4, device=device))
 
 

@@ -17,7 +17,7 @@ import traceback
 import pytest
 
 from tfuture import FutureMap
-from tfuture.faults import HOST_POINTS, STREAM_POINTS, FaultPlan, InjectedFault
+from tfuture.faults import HOST_POINTS, TOKEN_POINTS, FaultPlan, InjectedFault
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, ToyGrammar, ToyModel, first_difference, random_workload
 
@@ -59,9 +59,9 @@ def test_delays_and_gc_keep_overlap_equal_to_sync(seed, frozen_gc):
         sched, stats, fmap = run(specs, grammar, overlap=overlap, faults=plan, **kw)
         assert sched.outputs == ref.outputs, first_difference(ref.outputs, sched.outputs, ("sync", "faulty"))
         assert fmap.in_use == 0 and not worker_threads()
-        # Every step waited after a host delay, and every stream op of every step was delayed.
-        assert plan.injected["host_delay"] == stats.steps
-        assert plan.injected["stream_delay"] >= len(STREAM_POINTS) * stats.steps
+        # Every wait (at least one per step) came after a host delay, every stream op was delayed.
+        assert plan.injected["host_delay"] >= stats.steps
+        assert plan.injected["stream_delay"] >= len(TOKEN_POINTS) * stats.steps
         assert not any(k.startswith("raise_") for k in plan.injected)
     assert sum(len(v) for v in ref.outputs.values()) > 0
 
@@ -93,7 +93,7 @@ AT = 3  # the step whose point raises
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("grammar_share", [0.0, 1.0], ids=["plain", "grammar"])
-@pytest.mark.parametrize("point", STREAM_POINTS + HOST_POINTS)
+@pytest.mark.parametrize("point", TOKEN_POINTS + HOST_POINTS)
 def test_injected_fault_surfaces_and_loop_stops_cleanly(point, grammar_share, overlap):
     if point == "build_mask" and grammar_share == 0.0:
         pytest.skip("build_mask runs only for delayed (grammar) steps")
@@ -109,7 +109,7 @@ def test_injected_fault_surfaces_and_loop_stops_cleanly(point, grammar_share, ov
     frames = traceback.extract_tb(info.value.__traceback__)
     assert frames[-1].name == "check" and frames[-1].filename.endswith("faults.py")
     notes = getattr(info.value, "__notes__", [])
-    if point in STREAM_POINTS:
+    if point in TOKEN_POINTS:
         assert any(f"on the forward stream in '{point}' of step {AT}" in n for n in notes), notes
     # The loop stopped cleanly.
     assert fmap.in_use == 0 and fmap.free == fmap.capacity

@@ -553,7 +553,7 @@ class SlotOwnership(RuleBasedStateMachine):
         model[0] = 1  # the pinned padding slot
         for s, c in self.refs.items():
             model[s] = c
-        np.testing.assert_array_equal(self.fmap._refs, model)
+        np.testing.assert_array_equal(self.fmap.refcounts, model)
         assert self.fmap.in_use == int((model[1:] > 0).sum())
 
     def teardown(self) -> None:

@@ -487,12 +487,12 @@ class FutureMapMachine(RuleBasedStateMachine):
         fmap = self.fmap
         in_use = sum(1 for r in self.refs[1:] if r > 0)
         assert fmap.in_use == in_use and fmap.free == self.cap - in_use
-        assert fmap._refs[0] == 1 and fmap._refs[1:].tolist() == self.refs[1:]
+        assert fmap.refcounts[0] == 1 and fmap.refcounts[1:].tolist() == self.refs[1:]
         assert fmap.token_map[1:].tolist() == self.tm[1:]
         assert fmap.token_map[0].item() == 0
         assert fmap.err.tolist() == self.err
         if self.debug:
-            assert fmap._state is not None and fmap._state[1:].tolist() == self.state[1:]
+            assert fmap.slot_states is not None and fmap.slot_states.state[1:].tolist() == self.state[1:]
         for h in self.handles:
             assert h.fi.released == (not h.live)
             if h.live:

@@ -1,6 +1,6 @@
 """Planted-bug (mutation) tests: one per bug class of DESIGN.md section 2.
 
-Each test switches a deliberate defect on with the private ``_planted.plant(...)`` switch and
+Each test switches a deliberate defect on with the private ``plant(...)`` switch and
 shows that debug mode and/or the sync-vs-overlap equivalence check catches it, then runs the
 same scenario without the defect and shows that it passes (so the test could fail).
 
@@ -52,7 +52,8 @@ import numpy as np
 import pytest
 import torch
 
-from tfuture import FutureError, FutureIndices, FutureMap, _planted
+from tfuture import FutureError, FutureIndices, FutureMap
+from defects import plant
 from tfuture.batch import Batch, ForwardBatch
 from tfuture.faults import FaultPlan
 from tfuture.kernels.resolve import resolve_futures_
@@ -99,7 +100,7 @@ def run(
         if defect is None:
             runtime.run(sched)
         else:
-            with _planted.plant(defect):
+            with plant(defect):
                 runtime.run(sched)
     except Exception as exc:
         return Outcome(None, exc, fmap.in_use)
@@ -228,7 +229,7 @@ def _overrun_scene(debug: bool, defect: bool) -> tuple[FutureMap, FutureIndices,
     fmap.store(a, torch.tensor([10, 11, 12, 13]))
     keep = a.filter([1, 3])  # slots 2 and 4: a pending read of the next step
     if defect:
-        with _planted.plant("ignore_refcount"):
+        with plant("ignore_refcount"):
             fmap.release(a)
     else:
         fmap.release(a)
@@ -281,7 +282,7 @@ def test_handle_confusion_store_as_interval(kind):
         sub, others = _confused(kind, fmap)
         tokens = torch.arange(100, 100 + len(sub))
         if defect:
-            with _planted.plant("store_as_interval"):
+            with plant("store_as_interval"):
                 fmap.store(sub, tokens)
         else:
             fmap.store(sub, tokens)
@@ -310,7 +311,7 @@ def test_handle_confusion_through_the_runtime(sync_ref):
         runtime = OverlapRuntime(ToyModel(vocab=VOCAB), fmap)
         try:
             if defect:
-                with _planted.plant("store_as_interval"):
+                with plant("store_as_interval"):
                     runtime.run(sched)
             else:
                 runtime.run(sched)

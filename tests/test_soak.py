@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tfuture import _planted
+from defects import plant
 from tfuture.testing.episodes import Abort, Episode, compare, make_episode
 from tfuture.testing.soak import run_soak
 
@@ -113,7 +113,7 @@ def test_compare_rules():
 
 @pytest.mark.parametrize("defect", ["skip_resolve", "late_delayed_sample"])
 def test_soak_catches_a_planted_defect(defect):
-    with _planted.plant(defect):
+    with plant(defect):
         report = run_soak(200, seed=0, check_every=1, progress=False)
     assert not report.ok
     assert any("overlap differs from sync" in f for f in report.failures), report.failures

@@ -15,11 +15,11 @@ import torch
 
 from tfuture import FutureMap
 from tfuture.kernels.spec import SpecInputs, prepare_spec_inputs, prepare_spec_inputs_ref
-from tfuture.spec_batch import SpecBatch, SpecResult, greedy_accept
-from tfuture.spec_runtime import SpecRuntime
-from tfuture.testing.driver import random_workload
+from tfuture.runtime import OverlapRuntime
+from tfuture.speculative import SpecBatch, SpecResult, SpecStep, greedy_accept
+from tfuture.testing.batcher import random_workload
 from tfuture.testing.equivalence import run_workload
-from tfuture.testing.spec import (
+from tfuture.testing.toy_spec import (
     SpecBatcher,
     ToySpecModel,
     check_spec_equivalence,
@@ -166,7 +166,7 @@ def test_overlap_launches_next_step_before_accept_lengths_reach_host() -> None:
     specs = random_workload(4, 4, max_prompt=6, max_new=10, arrival_span=0)
     fmap = FutureMap(32, device="cpu")
     sched = _Recorder(specs, fmap, eos=-1)
-    SpecRuntime(ToySpecModel(k=2, error_rate=0.2), fmap, overlap=True, delay=random_delay(4)).run(sched)
+    OverlapRuntime(SpecStep(ToySpecModel(k=2, error_rate=0.2)), fmap, overlap=True, delay=random_delay(4)).run(sched)
     assert sched.events[:3] == [("schedule", 0), ("schedule", 1), ("process", 0)]
     for i, (kind, step) in enumerate(sched.events[2:-1]):
         # Every processed step N comes after step N+1 was scheduled (or after the last schedule).
@@ -184,7 +184,7 @@ def test_failure_in_verify_surfaces_and_releases_slots() -> None:
     threads = threading.active_count()
     model = ToySpecModel(ToyModel(fail_at=2), k=2)
     with pytest.raises(RuntimeError, match="planted failure in verify of step 2") as info:
-        SpecRuntime(model, fmap, overlap=True, delay=random_delay(5)).run(SpecBatcher(specs, fmap))
+        OverlapRuntime(SpecStep(model), fmap, overlap=True, delay=random_delay(5)).run(SpecBatcher(specs, fmap))
     assert any("step 2" in note for note in getattr(info.value, "__notes__", []))
     assert fmap.in_use == 0 and threading.active_count() == threads
 
@@ -193,9 +193,8 @@ def test_failure_in_verify_surfaces_and_releases_slots() -> None:
 def test_failed_spec_run_leaks_no_slot_when_the_host_is_slow(seed):
     # Regression: the step's handle was allocated before its staging buffer; waiting for that
     # buffer re-raised the stream's failure and the fresh handle was never released.
-    from tfuture.spec_runtime import SpecRuntime
-    from tfuture.testing.driver import random_workload
-    from tfuture.testing.spec import SpecBatcher, ToySpecModel
+    from tfuture.testing.batcher import random_workload
+    from tfuture.testing.toy_spec import SpecBatcher, ToySpecModel
     from tfuture.testing.toy import ToyModel
 
     specs = random_workload(seed, 4, max_prompt=6, max_new=30, arrival_span=0)
@@ -209,7 +208,7 @@ def test_failed_spec_run_leaks_no_slot_when_the_host_is_slow(seed):
 
     sched.process = slow_process
     with pytest.raises(RuntimeError, match="planted failure"):
-        SpecRuntime(ToySpecModel(ToyModel(fail_at=5), k=2), fmap, overlap=True).run(sched)
+        OverlapRuntime(SpecStep(ToySpecModel(ToyModel(fail_at=5), k=2)), fmap, overlap=True).run(sched)
     assert fmap.in_use == 0
 
 

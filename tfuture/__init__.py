@@ -1,9 +1,17 @@
-"""tfuture: future slots, resolve/store kernels and an overlap runtime for LLM serving."""
+"""tfuture: future slots, resolve/store kernels and an overlap runtime for LLM serving.
 
+Layers, each importing only those above it in this list: ``errors``; ``slots`` (host slot
+bookkeeping, ``FutureIndices``); ``kernels``; ``debug`` (device slot states); ``futures``
+(``FutureMap``); ``fields``; ``streams``, ``staging``, ``stats``, ``faults``; ``batch``,
+``steps``, ``speculative``; ``runtime``; ``testing``.
+"""
+
+from tfuture.errors import FutureError, FutureMapFull
 from tfuture.fields import FutureFields
-from tfuture.futures import FutureError, FutureIndices, FutureMap, FutureMapFull
+from tfuture.futures import FutureMap
 from tfuture.kernels.resolve import PreparedInputs, prepare_inputs, resolve_futures_
 from tfuture.kernels.store import store_futures
+from tfuture.slots import FutureIndices
 
 __all__ = [
     "FutureError",

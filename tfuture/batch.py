@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from tfuture.futures import FutureIndices
+from tfuture.slots import FutureIndices
 
 
 def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
@@ -18,6 +18,15 @@ def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
     if n is not None and a.size != n:
         raise ValueError(f"Batch.{name} must have {n} entries (one per request), got {a.size}")
     return a.astype(np.int64, copy=False)
+
+
+def check_consumes(owner: str, consumes: object) -> None:
+    """Raise unless ``consumes`` is a list of ``FutureIndices``."""
+    if not isinstance(consumes, list) or not all(isinstance(h, FutureIndices) for h in consumes):
+        got = type(consumes).__name__
+        if isinstance(consumes, list):
+            got = "a list holding " + ", ".join(sorted({type(h).__name__ for h in consumes}))
+        raise TypeError(f"{owner}.consumes must be a list of FutureIndices, got {got}")
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +46,7 @@ class Batch:
         delayed: sample only after the previous step's results were processed (a grammar mask).
         tag: anything the scheduler wants back in the :class:`StepResult`.
         out: set by the runtime at launch: the handle of this step's sampled tokens.
+        step: set by the runtime at launch: the step number in the run.
     """
 
     tokens: np.ndarray
@@ -48,8 +58,10 @@ class Batch:
     delayed: bool = False
     tag: Any = None
     out: FutureIndices | None = None
+    step: int = -1
 
     def __post_init__(self) -> None:
+        check_consumes("Batch", self.consumes)
         self.tokens = _int_vector("tokens", self.tokens)
         self.seg_lens = _int_vector("seg_lens", self.seg_lens)
         n = self.seg_lens.size

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tfuture.testing import RequestSpec, ToyModel, run_workload
-from tfuture.trace import RunStats
+from tfuture.stats import RunStats
 
 
 def decode_workload(batch: int, steps: int) -> list[RequestSpec]:

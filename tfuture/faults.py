@@ -1,16 +1,18 @@
 """Fault injection for the runtime, for tfuture's tests and for users' own test suites.
 
-``OverlapRuntime(..., faults=FaultPlan(...))`` then:
+``OverlapRuntime(..., faults=FaultPlan(...))`` wraps its forward stream and its scheduler in
+the plan's :class:`FaultyStream` and :class:`FaultyScheduler` (the loop itself has no fault
+branches), and then:
 
 * sleeps a random ``0..max_delay_s`` before each forward-stream op named in ``delay_ops``
   (``torch.cuda._sleep`` on the CUDA stream, a sleep in the CPU worker), and a random
-  ``0..host_delay_s`` on the host before it waits for a step, so both sides of every race
-  get shifted;
+  ``0..host_delay_s`` on the host before each wait on the forward stream (a step's results,
+  a staging buffer), so both sides of every race get shifted;
 * runs ``gc.collect()`` after every processed step (``gc_every_step``), so that a tensor
   the host dropped is really freed and its memory reused while a stream may still read it;
 * raises :class:`InjectedFault` at ``raise_at[point] == step`` for the points ``prepare``,
-  ``forward``, ``sample``, ``store``, ``copy`` (stream ops) and ``schedule``, ``process``,
-  ``build_mask`` (host hooks).
+  ``forward``, ``sample``, ``store``, ``copy``, ``verify``, ``draft`` (stream ops of token
+  and speculative steps) and ``schedule``, ``process``, ``build_mask`` (host hooks).
 
 On CUDA, run the process with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` as well
 (it must be set before CUDA initializes, so the plan cannot set it for you).
@@ -18,12 +20,21 @@ On CUDA, run the process with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
 from __future__ import annotations
 
+import gc
 import math
 import random
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-STREAM_POINTS = ("prepare", "forward", "sample", "store", "copy")
+from tfuture.streams import ForwardStream, Marker, Span
+
+# Stream ops of a token step and of a speculative step (tfuture.steps, tfuture.speculative).
+TOKEN_POINTS = ("prepare", "forward", "sample", "store", "copy")
+SPEC_POINTS = ("prepare", "verify", "draft", "store", "copy")
+STREAM_POINTS = (*TOKEN_POINTS, "verify", "draft")
 HOST_POINTS = ("schedule", "process", "build_mask")
 
 
@@ -80,3 +91,77 @@ class FaultPlan:
         if self.raise_at.get(point) == step:
             self.injected[f"raise_{point}"] += 1
             raise InjectedFault(f"injected fault at {point} of step {step}")
+
+    def wrap_stream(self, inner: ForwardStream) -> FaultyStream:
+        return FaultyStream(inner, self)
+
+    def wrap_scheduler(self, inner: Any) -> FaultyScheduler:
+        return FaultyScheduler(inner, self)
+
+
+class FaultyStream(ForwardStream):
+    """``inner`` with the plan's exceptions raised inside its ops and host delays before its
+    waits (stream-side delays are ``inner``'s own ``delay`` hook)."""
+
+    def __init__(self, inner: ForwardStream, plan: FaultPlan) -> None:
+        super().__init__(None, inner.trace)
+        self.inner, self.plan = inner, plan
+
+    def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
+        plan = self.plan
+
+        def checked() -> None:
+            plan.check(name, step)
+            fn()
+
+        self.inner.submit(name, step, checked)
+
+    def record(self) -> Marker:
+        return self.inner.record()
+
+    def wait(self, marker: Marker) -> None:
+        pause = self.plan.host_delay()
+        if pause > 0:
+            time.sleep(pause)
+        self.inner.wait(marker)
+
+    def raise_if_failed(self) -> None:
+        self.inner.raise_if_failed()
+
+    @property
+    def failed(self) -> bool:
+        return self.inner.failed
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def take_spans(self) -> list[Span]:
+        return self.inner.take_spans()
+
+
+class FaultyScheduler:
+    """``inner`` with the plan's host faults: exceptions in its hooks and ``gc.collect()`` after
+    each ``process``. Steps are counted as the runtime counts them."""
+
+    def __init__(self, inner: Any, plan: FaultPlan) -> None:
+        self.inner, self.plan = inner, plan
+        self._launched = 0
+
+    def schedule(self) -> Any:
+        self.plan.check("schedule", self._launched)
+        batch = self.inner.schedule()
+        if batch is not None:
+            self._launched += 1
+        return batch
+
+    def build_mask(self, batch: Any) -> Any:
+        self.plan.check("build_mask", batch.step)
+        return self.inner.build_mask(batch)
+
+    def process(self, result: Any) -> None:
+        plan = self.plan
+        plan.check("process", result.step)
+        self.inner.process(result)
+        if plan.gc_every_step:
+            plan.injected["gc"] += 1
+            gc.collect()

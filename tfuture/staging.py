@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tfuture import _planted
 from tfuture.streams import ForwardStream, Marker
 
 
@@ -25,23 +24,22 @@ class Staging:
 
 
 class StagingRing:
-    """``size`` host buffers handed out in turn; pinned when ``pin`` (CUDA)."""
+    """``size`` int64 host buffers handed out in turn; pinned when ``pin`` (CUDA).
 
-    def __init__(self, size: int, pin: bool, planted: str) -> None:
-        self.pin = pin
+    ``name`` says what the ring stages (``"inputs"``, ``"outputs"``), for traces and errors.
+    """
+
+    def __init__(self, size: int, pin: bool, name: str) -> None:
+        self.pin, self.name = pin, name
         self._bufs = [Staging(torch.zeros(64, dtype=torch.int64, pin_memory=pin)) for _ in range(size)]
         self._next = 0
-        self._planted = planted  # the defect that skips this ring's wait, for mutation tests
 
     def acquire(self, n: int, stream: ForwardStream) -> Staging:
         """A buffer of at least ``n`` elements whose previous copy has completed."""
-        if self._planted in _planted.ACTIVE:
-            buf = self._bufs[0]  # the defect: always the same buffer, never waited for
-        else:
-            buf = self._bufs[self._next]
-            self._next = (self._next + 1) % len(self._bufs)
-            if buf.marker is not None:
-                stream.wait(buf.marker)
+        buf = self._bufs[self._next]
+        self._next = (self._next + 1) % len(self._bufs)
+        if buf.marker is not None:
+            stream.wait(buf.marker)
         if buf.data.numel() < n:
             buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
         return buf

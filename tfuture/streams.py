@@ -1,7 +1,10 @@
-"""The forward stream, on two backends behind one small interface.
+"""The forward stream, on three backends behind one small interface.
 
 * :class:`CpuStream`: a worker thread runs submitted work in FIFO order, acting as the
   device. Torch CPU ops release the GIL, so host and "device" really overlap.
+* :class:`InlineStream`: submitted work runs at once on the calling thread, markers are born
+  complete. No overlap: the host path a GPU would see (on CUDA the host only launches), made
+  measurable on CPU, and the simplest backend to debug a model integration with.
 * :class:`CudaStream`: a ``torch.cuda.Stream``; submitted work is launched on it at once.
 
 Both record :class:`Marker` events that the host waits on, keep a busy-interval log for
@@ -92,24 +95,61 @@ class ForwardStream(ABC):
         return spans
 
 
+class _SwitchInterval:
+    """The process-wide GIL switch interval, lowered while any worker stream runs.
+
+    Reference-counted: the first worker saves the interval, the last one restores it exactly,
+    however the lifetimes of several runtimes overlap.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    def acquire(self, seconds: float) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+            self._users += 1
+            sys.setswitchinterval(min(sys.getswitchinterval(), seconds))
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+SWITCH_INTERVAL = _SwitchInterval()
+
+
 class CpuStream(ForwardStream):
     """A worker thread as the forward stream. ``delay(name)`` seconds are slept before each op.
 
     While it runs, the interpreter's GIL switch interval is lowered to ``switch_s``: with the
     default 5 ms, GIL-holding host work could stall the "device" for a whole interval between
-    two ops, which a real GPU never suffers. ``close`` restores the previous interval.
+    two ops, which a real GPU never suffers. The last stream to close restores it exactly.
+
+    The worker runs with the creating thread's grad mode and inference mode, so a run inside
+    ``torch.inference_mode()`` or ``torch.no_grad()`` builds no autograd graph on the worker.
     """
 
     def __init__(self, delay: Delay | None = None, trace: bool = True, switch_s: float = 1e-4) -> None:
         super().__init__(delay, trace)
-        self._old_switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._old_switch, switch_s))
+        self._grad = torch.is_grad_enabled()
+        self._inference = torch.is_inference_mode_enabled()
+        SWITCH_INTERVAL.acquire(switch_s)
         self._queue: queue.SimpleQueue[tuple[str, int, Callable[[], object]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tfuture-forward", daemon=True)
         self._closed = False
         self._thread.start()
 
     def _run(self) -> None:
+        with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):
+            self._serve()
+
+    def _serve(self) -> None:
         get, clock = self._queue.get, time.perf_counter
         while True:
             item = get()
@@ -153,11 +193,44 @@ class CpuStream(ForwardStream):
         self._closed = True
         self._queue.put(None)
         self._thread.join()
-        sys.setswitchinterval(self._old_switch)
+        SWITCH_INTERVAL.release()
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+class InlineStream(ForwardStream):
+    """Forward-stream ops run at once on the calling thread; every marker is born complete.
+
+    A failing op poisons the stream as on the other backends: later ops are skipped and the
+    exception re-raises at the next :meth:`wait`.
+    """
+
+    def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
+        if self._error is not None:
+            return
+        try:
+            if self.delay is not None:
+                pause = self.delay(name)
+                if pause > 0:
+                    time.sleep(pause)
+            if not self.trace:
+                fn()
+                return
+            start = time.perf_counter()
+            fn()
+            self.spans.append(Span(name, step, start, time.perf_counter()))
+        except BaseException as exc:
+            self._fail(exc, name, step)
+
+    def record(self) -> Marker:
+        marker = Marker()
+        marker.done.set()
+        return marker
+
+    def wait(self, marker: Marker) -> None:
+        self.raise_if_failed()
 
 
 class CudaStream(ForwardStream):
@@ -246,8 +319,23 @@ def drain_and_close(stream: ForwardStream) -> None:
         pass  # a sticky CUDA error: the slots must still be released after this
 
 
-def make_stream(device: torch.device, delay: Delay | None = None, trace: bool = True) -> ForwardStream:
-    """The forward stream for ``device``: CUDA streams on CUDA, the worker thread on CPU."""
+BACKENDS = ("auto", "worker", "inline")
+
+
+def make_stream(
+    device: torch.device, delay: Delay | None = None, trace: bool = True, backend: str = "auto"
+) -> ForwardStream:
+    """The forward stream for ``device``.
+
+    ``backend``: ``"auto"`` (a CUDA stream on CUDA, the worker thread on CPU), ``"worker"``
+    (:class:`CpuStream`, CPU only) or ``"inline"`` (:class:`InlineStream`, CPU only).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"stream backend must be one of {BACKENDS}, got {backend!r}")
     if device.type == "cuda":
+        if backend != "auto":
+            raise ValueError(f"stream backend {backend!r} is for CPU maps; a map on {device} uses 'auto'")
         return CudaStream(device, delay, trace)
+    if backend == "inline":
+        return InlineStream(delay, trace)
     return CpuStream(delay, trace)

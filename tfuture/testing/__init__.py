@@ -1,6 +1,6 @@
 """Tools to test an overlap integration: toy models, a grammar, a driver, an equivalence check."""
 
-from tfuture.testing.driver import ContinuousBatcher, RequestSpec, random_workload
+from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
 from tfuture.testing.equivalence import (
     EquivalenceReport,
     assert_equivalent,

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from tfuture.batch import Batch, StepResult
-from tfuture.faults import HOST_POINTS, STREAM_POINTS
+from tfuture.faults import HOST_POINTS, TOKEN_POINTS
 from tfuture.futures import FutureMap
-from tfuture.testing.driver import ContinuousBatcher, RequestSpec, random_workload
+from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
 from tfuture.testing.toy import ToyGrammar
 
 
@@ -151,13 +151,13 @@ def make_episode(seed: int, index: int) -> Episode:
     if rng.random() < 0.2:
         k = int(rng.integers(1, 3))
         plan_kw["max_delay_s"] = float(rng.uniform(5e-5, 3e-4))
-        plan_kw["delay_ops"] = tuple(str(op) for op in rng.choice(STREAM_POINTS, k, replace=False))
+        plan_kw["delay_ops"] = tuple(str(op) for op in rng.choice(TOKEN_POINTS, k, replace=False))
     if rng.random() < 0.15:
         plan_kw["host_delay_s"] = float(rng.uniform(5e-5, 3e-4))
     if rng.random() < 0.2:
         plan_kw["gc_every_step"] = True
     if rng.random() < 0.04:
-        point = str(rng.choice(STREAM_POINTS + HOST_POINTS))
+        point = str(rng.choice(TOKEN_POINTS + HOST_POINTS))
         plan_kw["raise_at"] = {point: int(rng.integers(0, 40))}
     debug = bool(rng.random() < 0.03)
     return Episode(index, seed, specs, vocab, grammar, aborts, batcher_kw, plan_kw, debug)

@@ -12,9 +12,9 @@ from tfuture.batch import Model
 from tfuture.futures import FutureMap
 from tfuture.runtime import OverlapRuntime
 from tfuture.streams import Delay
-from tfuture.testing.driver import ContinuousBatcher, RequestSpec
+from tfuture.testing.batcher import ContinuousBatcher, RequestSpec
 from tfuture.testing.toy import ToyGrammar
-from tfuture.trace import RunStats
+from tfuture.stats import RunStats
 
 
 @dataclass(slots=True)

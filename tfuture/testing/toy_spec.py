@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tfuture import FutureIndices, FutureMap
 from tfuture.batch import ForwardBatch
 from tfuture.fields import Shape
+from tfuture.futures import FutureIndices, FutureMap
 from tfuture.kernels.spec import SpecInputs
-from tfuture.spec_batch import SpecBatch, SpecResult, SpecStats
-from tfuture.spec_runtime import SpecRuntime
+from tfuture.runtime import OverlapRuntime
+from tfuture.speculative import SpecBatch, SpecResult, SpecStep
+from tfuture.stats import RunStats
 from tfuture.streams import Delay
-from tfuture.testing.driver import RequestSpec
+from tfuture.testing.batcher import RequestSpec
 from tfuture.testing.equivalence import first_difference
 from tfuture.testing.toy import ToyModel
 
@@ -126,6 +127,13 @@ class SpecBatcher:
         self.accepts: dict[int, list[int]] = {}
         self.tick = 0
         self.extra_rows = 0
+        self.rows = 0  # request-steps processed
+        self.accepted = 0  # tokens committed by them
+
+    @property
+    def mean_accept(self) -> float:
+        """Tokens committed per request-step (1 = no draft ever accepted)."""
+        return self.accepted / self.rows if self.rows else 0.0
 
     def schedule(self) -> SpecBatch | None:
         self.tick += 1
@@ -166,6 +174,8 @@ class SpecBatcher:
         return batch
 
     def process(self, result: SpecResult) -> None:
+        self.rows += int(result.accept_len.size)
+        self.accepted += int(result.accept_len.sum())
         for r, toks, acc in zip(
             result.batch.tag, result.tokens.tolist(), result.accept_len.tolist(), strict=True
         ):
@@ -186,7 +196,7 @@ class SpecBatcher:
 class SpecRun:
     outputs: dict[int, list[int]]
     accepts: dict[int, list[int]]
-    stats: SpecStats
+    stats: RunStats
     batcher: SpecBatcher
     fmap: FutureMap
 
@@ -208,7 +218,7 @@ def run_spec(
     fmap = FutureMap(capacity, device="cuda" if torch.cuda.is_available() else "cpu")
     model = ToySpecModel(target, k=k, error_rate=error_rate, seed=seed)
     batcher = SpecBatcher(specs, fmap, eos=eos, max_running=max_running)
-    stats = SpecRuntime(model, fmap, overlap=overlap, delay=delay).run(batcher)
+    stats = OverlapRuntime(SpecStep(model), fmap, overlap=overlap, delay=delay).run(batcher)
     return SpecRun(batcher.outputs, batcher.accepts, stats, batcher, fmap)
 
 

@@ -1,4 +1,4 @@
-"""Bubble accounting and a Chrome-trace timeline of the host and the forward stream."""
+"""What a run measured: :class:`RunStats`, with bubble accounting and a Chrome-trace timeline."""
 
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ from tfuture.streams import Span
 class RunStats:
     """What one :meth:`OverlapRuntime.run` measured. Times are seconds.
 
-    ``device_idle`` is the forward stream's idle time between its first and last op, and
-    ``idle_per_step[i]`` the idle gap before step ``i``'s first op.
+    ``tokens`` counts the sampled tokens (one per sampling request per step, a speculative
+    step's committed tokens, the extra step's discarded token included). ``device_idle`` is
+    the forward stream's idle time between its first and last op, and ``idle_per_step[i]`` the
+    idle gap before step ``i``'s first op.
     """
 
     mode: str
     steps: int = 0
+    tokens: int = 0
     wall: float = 0.0
     device_busy: float = 0.0
     device_idle: float = 0.0
@@ -29,6 +32,10 @@ class RunStats:
     @property
     def step_time(self) -> float:
         return self.wall / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall if self.wall else 0.0
 
     @property
     def idle_fraction(self) -> float:
@@ -52,7 +59,8 @@ class RunStats:
 
     def summary(self) -> str:
         return (
-            f"{self.mode}: {self.steps} steps, {self.step_time * 1e3:.3f} ms/step, "
+            f"{self.mode}: {self.steps} steps in {self.wall:.3f} s ({self.step_time * 1e3:.3f} ms/step), "
+            f"{self.tokens} tokens ({self.tokens_per_s:.0f} tokens/s), "
             f"device idle {100 * self.idle_fraction:.1f}%"
         )
 

@@ -1,0 +1,126 @@
+"""Planted defects for mutation tests, applied from the test side by patching (never in tfuture/).
+
+Each name reproduces one known bug class of overlap schedulers (DESIGN.md section 2), so a
+test can show that debug mode or the sync-vs-overlap equivalence check catches it, and that
+the same scenario passes without the patch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import torch
+
+import tfuture.futures
+from tfuture.runtime import OverlapRuntime
+from tfuture.slots import FutureIndices
+from tfuture.staging import Staging, StagingRing
+
+
+def _drop_ignoring_refcount(self: FutureIndices, want_freed: bool = False) -> np.ndarray | None:
+    """release frees every slot the handle names, whatever other handles still name them."""
+    pool = self.pool
+    slots = np.unique(self.slots)
+    refs = pool._refs
+    freed = slots[refs[slots] > 0]
+    refs[freed] = 0
+    pool._in_use -= int(freed.size)
+    self._released = True
+    return freed if want_freed else None
+
+
+def _store_as_interval(real: Callable[..., None]) -> Callable[..., None]:
+    """store through any handle as if its slots were ``[slots[0], slots[0] + n)``."""
+
+    def launch(token_map: torch.Tensor, slots: Any, values: torch.Tensor, err: Any) -> None:
+        if isinstance(slots, torch.Tensor) and slots.numel():
+            first = int(slots[0])
+            stop = min(first + slots.numel(), token_map.numel())
+            slots, values = range(first, stop), values[: stop - first]
+        real(token_map, slots, values, err)
+
+    return launch
+
+
+def _prepare_without_resolve(real: Callable[..., Any]) -> Callable[..., Any]:
+    """prepare inputs against an empty map with no error flag: placeholders stay negative."""
+
+    def prepare(tokens, seg_starts, prefix_lens, token_map, *, n_rows=None, out=None, err=None):  # type: ignore[no-untyped-def]
+        return real(tokens, seg_starts, prefix_lens, token_map[:1], n_rows=n_rows, out=out)
+
+    return prepare
+
+
+def _ring_without_wait(ring_name: str, real: Callable[..., Staging]) -> Callable[..., Staging]:
+    """The ring named ``ring_name`` always hands out its first buffer, never waiting for it."""
+
+    def acquire(self: StagingRing, n: int, stream: Any) -> Staging:
+        if self.name != ring_name:
+            return real(self, n, stream)
+        buf = self._bufs[0]
+        if buf.data.numel() < n:
+            buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
+        return buf
+
+    return acquire
+
+
+def _late_delayed_sample(stack: ExitStack) -> None:
+    """A delayed sample is launched one step late: after the next step's resolve."""
+    real_sample, real_finish = OverlapRuntime._delayed_sample, OverlapRuntime._finish
+
+    def delayed_sample(self: OverlapRuntime, scheduler: Any, rec: Any) -> None:
+        late = self.__dict__.get("_late")
+        self.__dict__["_late"] = rec
+        if late is not None:
+            real_sample(self, scheduler, late)
+
+    def finish(self: OverlapRuntime, rec: Any, scheduler: Any, stats: Any) -> None:
+        if self.__dict__.get("_late") is rec:
+            self.__dict__["_late"] = None
+            real_sample(self, scheduler, rec)
+        real_finish(self, rec, scheduler, stats)
+
+    stack.enter_context(mock.patch.object(OverlapRuntime, "_delayed_sample", delayed_sample))
+    stack.enter_context(mock.patch.object(OverlapRuntime, "_finish", finish))
+
+
+DEFECTS = (
+    "ignore_refcount",
+    "store_as_interval",
+    "skip_resolve",
+    "no_input_keepalive",
+    "staging_no_wait",
+    "late_delayed_sample",
+)
+
+
+@contextmanager
+def plant(*names: str) -> Iterator[None]:
+    """Patch the named defects in for the duration of a ``with`` block."""
+    unknown = set(names) - set(DEFECTS)
+    if unknown:
+        raise ValueError(f"unknown defect(s) {sorted(unknown)}; known: {sorted(DEFECTS)}")
+    with ExitStack() as stack:
+        patch = stack.enter_context
+        for name in names:
+            if name == "ignore_refcount":
+                patch(mock.patch.object(FutureIndices, "drop_references", _drop_ignoring_refcount))
+            elif name == "store_as_interval":
+                real = tfuture.futures.launch_store
+                patch(mock.patch.object(tfuture.futures, "launch_store", _store_as_interval(real)))
+            elif name == "skip_resolve":
+                real = tfuture.futures.prepare_inputs
+                patch(mock.patch.object(tfuture.futures, "prepare_inputs", _prepare_without_resolve(real)))
+                patch(mock.patch.object(tfuture.futures, "launch_resolve_", lambda ids, token_map, err: ids))
+            elif name in ("no_input_keepalive", "staging_no_wait"):
+                ring = "inputs" if name == "no_input_keepalive" else "outputs"
+                real_acquire = StagingRing.acquire
+                patch(mock.patch.object(StagingRing, "acquire", _ring_without_wait(ring, real_acquire)))
+            else:
+                _late_delayed_sample(stack)
+        yield

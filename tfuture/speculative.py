@@ -1,0 +1,205 @@
+"""Overlapped speculative decoding: the step kind, its batch and result, the model protocol.
+
+The scheduler (policy, on the host) builds a :class:`SpecBatch` per step and gets a
+:class:`SpecResult` back; ``OverlapRuntime(SpecStep(model), fmap)`` runs it. Per step, on the
+forward stream: ``prepare`` (one launch: each request's ``[last accepted token, k drafts]`` row
+and positions, read from its previous step's slot fields, so the accepted length never visits
+the host), ``verify`` (target greedy tokens and greedy acceptance), ``draft`` (the next step's
+drafts), ``store`` (every field of the step into its fresh slots, one launch), then ``copy``
+(``tokens`` and ``accept_len`` gathered from those slots to the host). The host learns step N's
+accepted lengths only when it processes step N, after step N+1 was launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tfuture.batch import check_consumes
+from tfuture.fields import FutureFields, Shape
+from tfuture.futures import FutureMap
+from tfuture.kernels.spec import SpecInputs, prepare_spec_inputs
+from tfuture.slots import FutureIndices
+from tfuture.steps import InFlight, Op, StepKind, StepPlan
+
+# What the host reads back per step; the other fields stay on the device for the next step.
+HOST_FIELDS = ("tokens", "accept_len")
+
+
+def spec_fields(k: int) -> dict[str, tuple[Shape, torch.dtype]]:
+    """The fields every speculative step stores: accepted tokens, counts and next drafts."""
+    return {
+        "tokens": ((k + 1,), torch.int64),  # target tokens; the first accept_len are committed
+        "accept_len": ((), torch.int32),  # committed tokens this step, in [1, k + 1]
+        "new_seq_len": ((), torch.int64),  # sequence length after the step
+        "draft_tokens": ((k,), torch.int64),  # drafts for the next step
+    }
+
+
+class SpecModel(Protocol):
+    """Target and draft. Both methods run on the forward stream."""
+
+    k: int
+
+    @property
+    def extra_fields(self) -> Mapping[str, tuple[Shape, torch.dtype]]:
+        """Draft-side fields stored per step beside the required ones (may be empty)."""
+        ...
+
+    def verify(self, step: int, inputs: SpecInputs, req_ids: torch.Tensor) -> torch.Tensor:
+        """``[n, k+1]`` int64: the target's greedy token after each input row."""
+        ...
+
+    def draft(
+        self, last: torch.Tensor, positions: torch.Tensor, req_ids: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """``{"draft_tokens": [n, k] int64, **extra_fields}`` continuing ``last`` at ``positions``."""
+        ...
+
+
+@dataclass(slots=True, eq=False)
+class SpecBatch:
+    """One step, built by the scheduler on the host.
+
+    ``last [n]``: ``-slot`` of the request's previous step (from ``host_placeholders()``) or a
+    concrete last token of a fresh request, whose length is ``seq_lens [n]``. ``consumes``: the
+    handles those placeholders came from; the runtime releases them once prepare is enqueued.
+    """
+
+    last: np.ndarray
+    seq_lens: np.ndarray
+    req_ids: np.ndarray
+    consumes: list[FutureIndices] = field(default_factory=list)
+    tag: Any = None
+    out: FutureIndices | None = None
+    step: int = -1
+
+    def __post_init__(self) -> None:
+        check_consumes("SpecBatch", self.consumes)
+        n = np.asarray(self.last).size
+        for name in ("last", "seq_lens", "req_ids"):
+            a = np.asarray(getattr(self, name))
+            if a.ndim != 1 or a.size != n or not np.issubdtype(a.dtype, np.integer):
+                raise TypeError(
+                    f"SpecBatch.{name} must be a 1-D int array of {n} entries, got {a.dtype} {a.shape}"
+                )
+            setattr(self, name, a.astype(np.int64, copy=False))
+
+
+@dataclass(slots=True, eq=False)
+class SpecResult:
+    """A processed step: ``tokens [n, k+1]`` int64, of which row ``i`` commits ``accept_len[i]``."""
+
+    step: int
+    batch: SpecBatch
+    tokens: np.ndarray
+    accept_len: np.ndarray
+
+
+class SpecScheduler(Protocol):
+    def schedule(self) -> SpecBatch | None: ...
+
+    def process(self, result: SpecResult) -> None: ...
+
+
+def greedy_accept(inputs: SpecInputs, target: torch.Tensor) -> torch.Tensor:
+    """``[n]`` int32: 1 + the longest prefix of valid drafts equal to the target's greedy tokens."""
+    drafts = inputs.input_ids[:, 1:]
+    k = drafts.shape[1]
+    valid = torch.arange(k, device=drafts.device)[None, :] < inputs.n_draft[:, None]
+    match = (drafts == target[:, :k]) & valid
+    return (match.to(torch.int32).cumprod(dim=1).sum(dim=1) + 1).to(torch.int32)
+
+
+@dataclass(slots=True, eq=False)
+class SpecState:
+    n: int
+    inputs: SpecInputs | None = None
+    req_ids: torch.Tensor | None = None
+    payload: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class SpecStep(StepKind):
+    """The speculative step kind of a :class:`SpecModel` (see the module docstring).
+
+    ``fields`` (the map's :class:`FutureFields`: tokens, accept_len, new_seq_len, draft_tokens
+    and the model's extra fields) exists once the runtime bound the step to its map.
+    """
+
+    keeps_out = True
+
+    def __init__(self, model: SpecModel) -> None:
+        self.model = model
+        self.k = int(model.k)
+        self.fields: FutureFields | None = None
+        self._bufs: list[torch.Tensor] = []
+        self._fmap: FutureMap | None = None
+
+    def bind(self, fmap: FutureMap) -> None:
+        self._fmap = fmap
+        self.fields = FutureFields(fmap, {**spec_fields(self.k), **self.model.extra_fields})
+        self._bufs = [self.fields.buffer(n) for n in ("tokens", "accept_len", "new_seq_len", "draft_tokens")]
+
+    def plan(self, batch: Any) -> StepPlan:
+        if not isinstance(batch, SpecBatch):
+            raise TypeError(f"schedule() must return a SpecBatch or None, got {type(batch).__name__}")
+        n = batch.last.size
+        return StepPlan(n, (batch.last, batch.seq_lens, batch.req_ids), SpecState(n))
+
+    def prepare(self, rec: InFlight, inputs: Sequence[torch.Tensor]) -> None:
+        assert self._fmap is not None
+        state: SpecState = rec.state
+        last, lens, state.req_ids = inputs
+        state.inputs = prepare_spec_inputs(last, lens, *self._bufs, err=self._fmap.err)
+
+    def forward_ops(self, rec: InFlight) -> list[Op]:
+        state: SpecState = rec.state
+        model, k, n, fields = self.model, self.k, state.n, self.fields
+        assert fields is not None
+
+        def verify() -> None:
+            assert state.inputs is not None and state.req_ids is not None
+            target = model.verify(rec.step, state.inputs, state.req_ids)
+            if not isinstance(target, torch.Tensor) or target.shape != (n, k + 1):
+                got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+                raise ValueError(f"verify must return [{n}, {k + 1}] token ids, got {got}")
+            acc = greedy_accept(state.inputs, target)
+            new_len = state.inputs.positions[:, 0] + 1 + acc
+            state.payload = {"tokens": target.to(torch.int64), "accept_len": acc, "new_seq_len": new_len}
+
+        def draft() -> None:
+            assert state.req_ids is not None
+            acc, new_len = state.payload["accept_len"], state.payload["new_seq_len"]
+            last = state.payload["tokens"].gather(1, (acc.to(torch.int64) - 1)[:, None]).squeeze(1)
+            state.payload |= model.draft(last, new_len - 1, state.req_ids)
+            missing = sorted(set(fields.names) - state.payload.keys())
+            if missing:
+                raise ValueError(f"draft must return every declared field, missing {missing}")
+
+        return [("verify", verify), ("draft", draft)]
+
+    def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
+        fields = self.fields
+        assert fields is not None
+        return [("store", lambda: fields.store(rec.out, rec.state.payload))]
+
+    def n_result(self, rec: InFlight) -> int:
+        return rec.state.n * (self.k + 2)
+
+    def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
+        assert self.fields is not None
+        n, w = rec.state.n, self.k + 1
+        got = self.fields.gather(rec.out, HOST_FIELDS)
+        dst[: n * w].view(n, w).copy_(got["tokens"], non_blocking=True)
+        dst[n * w :].copy_(got["accept_len"], non_blocking=True)
+
+    def result(self, rec: InFlight, words: np.ndarray) -> SpecResult:
+        n, w = rec.state.n, self.k + 1
+        return SpecResult(rec.step, rec.batch, words[: n * w].reshape(n, w), words[n * w :])
+
+    def n_tokens(self, result: SpecResult) -> int:
+        return int(result.accept_len.sum())
