@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# make perf writes perf/results/<device>-local/ (untracked); make perf-refresh (or
+# PERF_REFRESH=1 make perf) rewrites the committed perf/results/<device>/.
 perf: $(STAMP)
 	$(PY) -m perf
+
+.PHONY: perf-refresh
+perf-refresh: $(STAMP)
+	PERF_REFRESH=1 $(PY) -m perf
 
 # The full soak: 100,000 steps on the CPU backend (make test runs a 5,000-step version).
 soak: $(STAMP)

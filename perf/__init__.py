@@ -1,6 +1,8 @@
 """tfuture benchmarks: ``python -m perf`` runs them all, ``python -m perf.bench_resolve`` one.
 
-Results (CSV, PNG, ``meta.json``, ``summary.json``) go to ``perf/results/<device>/``.
+Results (CSV, PNG, ``meta.json``, ``summary.json``, ``README.md``) go to the untracked
+``perf/results/<device>-local/``; ``python -m perf --refresh`` (or ``PERF_REFRESH=1``) writes
+the committed ``perf/results/<device>/``. See ``perf/README.md``.
 """
 
 import os

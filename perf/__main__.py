@@ -1,117 +1,106 @@
-"""``python -m perf``: run every benchmark, then write ``perf/results/<device>/README.md``.
+"""``python -m perf``: every benchmark for the device at hand, then the contract and a README.
 
-Set ``CI=1`` for the small sweeps. Each module defines ``main()``; a failing module is reported
-and the others still run (exit status 1 then).
+    python -m perf                      # into perf/results/<device>-local/ (untracked)
+    python -m perf --refresh            # into the committed perf/results/<device>/
+    python -m perf bench_host_cycle     # only the named benchmarks (the folder keeps the rest)
+    CI=1 python -m perf                 # the small sweeps
+
+``PERF_REFRESH=1`` does what ``--refresh`` does (``make perf-refresh`` sets it). A failing
+benchmark is reported and the others still run (exit status 1 then). Contract misses do not
+fail the run: they are results.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
-import json
 import os
 import sys
 import time
 import traceback
 from typing import Any
 
-from perf._common import CI, REPO, device_name, device_slug, merge_summary, results_dir
+from perf import contract, harness
 
-BENCHES = ["bench_bookkeeping", "bench_resolve", "bench_prepare", "bench_store"]
-# Hook list: each runs after BENCHES, in this order, only if perf/<name>.py exists.
-OPTIONAL_BENCHES = ["bench_overlap", "bench_fields"]
-
-
-def _modules() -> list[str]:
-    here = os.path.join(REPO, "perf")
-    return BENCHES + [m for m in OPTIONAL_BENCHES if os.path.exists(os.path.join(here, f"{m}.py"))]
-
-
-def _load(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+BENCHES = [
+    "bench_resolve",
+    "bench_store",
+    "bench_prepare",
+    "bench_fields",
+    "bench_bookkeeping",
+    "bench_host_cycle",
+    "bench_runtime_overhead",
+    "bench_overlap",
+]
+# What a full run rewrites: files a run of older benchmarks left behind go too.
+OWNED = (".csv", ".png", ".html", "meta.json", "summary.json", "README.md")
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:g}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_fmt(x) for x in v) + "]"
-    return "n/a" if v is None else str(v)
-
-
-def _bookkeeping_table(section: dict[str, Any]) -> list[str]:
-    per = section.get("us_per_call", {})
-    if not per:
-        return []
-    cols = sorted(per, key=lambda c: int(c.removeprefix("bs")))
-    ops = list(next(iter(per.values())))
-    lines = ["| op (us per call) | " + " | ".join(c.replace("bs", "bs ") for c in cols) + " |"]
-    lines.append("|---" * (len(cols) + 1) + "|")
-    lines += [f"| {op} | " + " | ".join(_fmt(per[c].get(op)) for c in cols) + " |" for op in ops]
-    return [*lines, ""]
-
-
-def write_readme(since: float = 0.0) -> str:
-    """Write README.md; PNGs older than ``since`` (not from this run) are listed apart."""
-    out = results_dir()
-    meta = _load(os.path.join(out, "meta.json"))
-    summary = _load(os.path.join(out, "summary.json"))
-    plots = summary.get("plots", {})
+def write_readme(folder: str, rows: list[dict[str, Any]]) -> str:
+    meta, summary = harness.read_json("meta.json"), harness.read_json("summary.json")
+    refresh = "python -m perf --refresh" if not folder.endswith("-local") else "python -m perf"
     md = [
-        f"# tfuture perf results: {device_slug()}",
+        f"# tfuture perf results: {meta.get('device')}",
         "",
-        f"Device: {device_name()}. torch {meta.get('torch')}, triton {meta.get('triton')}, "
-        f"python {meta.get('python')}, commit {meta.get('commit')}"
-        f"{' (dirty tree)' if meta.get('dirty') else ''}, {meta.get('date')}, "
-        f"{'CI (small sweeps)' if meta.get('ci') else 'full sweeps'}. Written by `python -m perf`.",
+        f"{meta.get('device_name')}; torch {meta.get('torch')}, triton {meta.get('triton')}, "
+        f"python {meta.get('python')}, {meta.get('torch_threads')} torch thread(s); commit "
+        f"{meta.get('commit')}{' (tfuture/ or perf/ modified)' if meta.get('dirty') else ''}; "
+        f"{meta.get('date')}; {'CI (small) sweeps' if meta.get('ci') else 'full sweeps'}. "
+        f"Written by `{refresh}`. Timings are ratios within one run on a possibly shared machine.",
         "",
-        "## Headline numbers",
+        "## Contract (DESIGN.md section 6), judged by `perf/contract.py`",
         "",
+        "| target | limit | worst measured | status |",
+        "|---|---|---|---|",
     ]
+    for r in rows:
+        measured = "-" if r["measured"] is None else r["measured"]
+        md.append(f"| {r['what']} | {r['limit']} | {measured} | {r['status']} |")
+    md += ["", "## Measured ratios and headline numbers", ""]
     for name, section in summary.items():
-        if name in ("plots", "run") or not isinstance(section, dict):
-            continue
-        md += [f"### {name}", ""]
-        if name == "bookkeeping":
-            md += _bookkeeping_table(section)
-        verdicts = section.get("verdicts", [])
-        shown = ("verdicts", "us_per_call") if name == "bookkeeping" else ("verdicts",)
-        md += [f"- {k}: {_fmt(v)}" for k, v in section.items() if k not in shown]
-        md += [f"- **{v}**" for v in verdicts] + [""]
-    skipped = [s for items in meta.get("skipped", {}).values() for s in items]
-    if skipped:
-        md += ["## Skipped", "", *[f"- {s}" for s in skipped], ""]
-    md += ["## Plots", ""]
-    pngs = sorted(f for f in os.listdir(out) if f.endswith(".png"))
-    stale = [f for f in pngs if os.path.getmtime(os.path.join(out, f)) < since]
-    for png in (f for f in pngs if f not in stale):
-        stem = png.removesuffix(".png")
-        md += [f"### {stem}", ""]
-        if stem in plots:
-            md += [plots[stem], ""]
-        md += [f"![{stem}]({png})", f"Data: [{stem}.csv]({stem}.csv)", ""]
-    if stale:
-        md += ["## Older plots in this folder (not from this run)", ""]
-        md += [f"- [{f}]({f})" for f in stale] + [""]
-    path = os.path.join(out, "README.md")
+        if name not in ("plots", "contract", "run") and isinstance(section, dict):
+            md += [f"- **{name}**: " + "; ".join(f"{k} = {v}" for k, v in section.items())]
+    if skipped := [line for lines in meta.get("skipped", {}).values() for line in lines]:
+        md += ["", "## Skipped here", "", *[f"- {line}" for line in skipped]]
+    md += ["", "## Plots", ""]
+    for plot, about in sorted(summary.get("plots", {}).items()):
+        md += [
+            f"### {plot}",
+            "",
+            about,
+            "",
+            f"![{plot}]({plot}.png)",
+            "",
+            f"Data: [{plot}.csv]({plot}.csv)",
+            "",
+        ]
+    path = os.path.join(folder, "README.md")
     with open(path, "w") as f:
         f.write("\n".join(md))
     return path
 
 
-def main() -> int:
-    out = results_dir()
-    for stale in ("meta.json", "summary.json", "README.md"):
-        if os.path.exists(os.path.join(out, stale)):
-            os.remove(os.path.join(out, stale))
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m perf", description=__doc__.split("\n\n")[0])
+    parser.add_argument("benches", nargs="*", metavar="BENCH", help=f"default: all of {', '.join(BENCHES)}")
+    parser.add_argument("--refresh", action="store_true", help="write the committed perf/results/<device>/")
+    args = parser.parse_args(argv)
+    if unknown := sorted(set(args.benches) - set(BENCHES)):
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHES)}")
+    if args.refresh:
+        os.environ["PERF_REFRESH"] = "1"
+    folder = harness.results_dir()
+    if not args.benches:
+        for name in os.listdir(folder):
+            if name.endswith(OWNED):
+                os.remove(os.path.join(folder, name))
     failed, seconds = [], {}
-    t_all, started = time.perf_counter(), time.time() - 1.0
-    for name in _modules():
-        print(f"\n=== perf.{name} ({'CI sweep' if CI else 'full sweep'}) ===", flush=True)
+    t_all = time.perf_counter()
+    for name in args.benches or BENCHES:
+        print(f"\n=== perf.{name} ({'CI' if harness.CI else 'full'} sweep) ===", flush=True)
         t0 = time.perf_counter()
+        meta = harness.read_json("meta.json")
+        harness.write_json("meta.json", meta | {"skipped": meta.get("skipped", {}) | {f"perf.{name}": []}})
         try:
             importlib.import_module(f"perf.{name}").main()
         except Exception:
@@ -120,11 +109,10 @@ def main() -> int:
         seconds[name] = round(time.perf_counter() - t0, 1)
         print(f"=== perf.{name}: {seconds[name]} s{' FAILED' if name in failed else ''} ===", flush=True)
     seconds["total"] = round(time.perf_counter() - t_all, 1)
-    merge_summary("run", {"seconds": seconds, "failed": failed, "ci": CI})
-    readme = write_readme(since=started)
-    print(f"\nwrote {readme}; results in {out}; {seconds['total']} s")
-    if failed:
-        print(f"FAILED modules: {', '.join(failed)}")
+    harness.record("run", {"seconds": seconds, "failed": failed})
+    harness.write_meta()
+    readme = write_readme(folder, contract.main(folder))
+    print(f"\nwrote {readme}; {seconds['total']} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 

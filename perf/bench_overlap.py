@@ -1,124 +1,106 @@
-"""Step time of the sync and overlapped loops against T_cpu / T_dev, at a fixed T_dev.
+"""Overlapped and sync step time against the NOMINAL ideal max(T_cpu, T_dev), T_cpu = T_dev.
 
-``python -m perf.bench_overlap``. The toy model does ``T_dev`` of device work per step (a sleep
-on the forward stream: the worker thread on CPU, ``torch.cuda._sleep`` on CUDA) and the
-scheduler does ``T_cpu`` of host work per processed step (a sleep, which releases the GIL as
-host work in C extensions does). Lines, ms per step:
+    python -m perf.bench_overlap          # CI=1: fewer steps
 
-* ``sync``: the same steps without overlap (T_dev + T_cpu plus overheads).
-* ``overlap``: the overlapped loop.
-* ``ideal``: max(T_dev, T_cpu) with T_dev the measured device busy time per step of the sync
-  run (it includes prepare, sample and copy, not only the sleep).
-
-A second plot gives the forward stream's idle fraction in both modes. The ``gil`` line of the
-third plot repeats the overlap run with host work that holds the GIL (a Python spin).
+``ToyModel(work_s=T_dev)`` does ``T_dev`` of device work per forward (``torch.cuda._sleep`` on a
+GPU, a sleep on the CPU worker) and :class:`perf.decode.DecodeScheduler` spins ``T_cpu`` on
+the host per processed step (Python holding the GIL). The denominator is the nominal
+``max(T_cpu, T_dev)``: the work they were asked to do, never a time measured with the runtime's
+own overhead in it. Lines, per batch size: ``overlap`` and ``sync`` (about 2 by design).
+Two plots: step time / nominal max, and the runtime's host us per step: the host thread's wall
+time outside the scheduler's ``schedule``, ``process`` and ``build_mask`` and outside the
+waits on the forward stream, from the trace spans (so GIL waits of the host thread count).
+One more run (batch 16, T_dev 4 ms, T_cpu 2 ms) measures the forward stream's idle share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
-from perf._common import (
-    DEVICE,
-    column,
-    describe,
-    merge_summary,
-    pick,
-    r2,
-    report_mark,
-    run_report,
-    write_meta,
+import triton
+
+from perf import harness
+from perf.decode import DecodeScheduler
+from perf.harness import DEVICE
+from tfuture import FutureMap
+from tfuture.runtime import OverlapRuntime
+from tfuture.testing import ToyModel
+
+T_MS = [1, 4, 10]
+BATCHES = [16, 64]
+STEPS = harness.sweep([80], [25])[0]
+LINES = [(mode, bs) for bs in BATCHES for mode in ("overlap", "sync")]
+NAMES = [f"{mode}, batch {bs}" for mode, bs in LINES]
+STYLES = [("blue" if mode == "overlap" else "red", "-" if bs == 16 else "--") for mode, bs in LINES]
+# Host spans of the scheduler's own work and of waiting on the device; the rest is the runtime.
+NOT_RUNTIME = ("schedule", "process", "build_mask", "wait")
+
+
+@functools.cache
+def run(t_dev_ms: float, t_cpu_ms: float, bs: int, overlap: bool) -> dict[str, float]:
+    """One traced run: step / nominal max, runtime host us per step, forward-stream idle share."""
+    fmap = FutureMap(4 * bs + 64, device=DEVICE)
+    runtime = OverlapRuntime(ToyModel(work_s=t_dev_ms / 1e3), fmap, overlap=overlap, trace=True)
+    stats = runtime.run(DecodeScheduler(bs, host_work_s=t_cpu_ms / 1e3), max_steps=STEPS)
+    not_runtime = sum(s.end - s.start for s in stats.host_spans if s.name in NOT_RUNTIME)
+    return {
+        "over_nominal": stats.wall / stats.steps / (max(t_dev_ms, t_cpu_ms) / 1e3),
+        "runtime_host_us": (stats.wall - not_runtime) / stats.steps * 1e6,
+        "idle_pct": 100 * stats.idle_fraction,
+    }
+
+
+@triton.testing.perf_report(
+    [
+        triton.testing.Benchmark(
+            x_names=["t_ms"],
+            x_vals=T_MS,
+            x_log=True,
+            y_log=False,
+            line_arg="line",
+            line_vals=LINES,
+            line_names=NAMES,
+            styles=STYLES,
+            xlabel=f"T_cpu = T_dev, ms ({DEVICE}, {STEPS} steps; y: {about})",
+            ylabel=ylabel,
+            plot_name=plot_name,
+            args={"key": key},
+        )
+        for key, plot_name, ylabel, about in (
+            ("over_nominal", "overlap_step_over_nominal", "ratio", "step time / nominal max(T_cpu, T_dev)"),
+            ("runtime_host_us", "overlap_runtime_host_us", "us", "runtime host us per step"),
+        )
+    ]
 )
-from tfuture.demo import measure
-from tfuture.trace import RunStats
-
-T_DEV = pick([4e-3], [2e-3])[0]
-RATIOS = pick([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0], [0.0, 0.5, 1.0, 2.0])
-STEPS = pick([80], [25])[0]
-BATCH = 16
-
-_cache: dict[tuple[float, bool], tuple[RunStats, RunStats]] = {}
-
-
-def _runs(ratio: float, gil: bool = False) -> tuple[RunStats, RunStats]:
-    key = (ratio, gil)
-    if key not in _cache:
-        _cache[key] = measure(T_DEV, ratio * T_DEV, batch=BATCH, steps=STEPS, device=DEVICE, gil=gil)
-    return _cache[key]
-
-
-def _ideal(sync: RunStats) -> float:
-    t_dev = sync.device_busy / max(sync.steps, 1)
-    return max(t_dev, sync.step_time - t_dev)
-
-
-# Legend names: the ideal line says what it is, and the GIL variant says what differs.
-NAMES = {"ideal": "ideal max(T_dev, T_cpu)", "gil": "overlap, host work holds the GIL"}
-
-
-def _mark(plot_name: str, lines: list[str], ylabel: str, fn: Callable[..., float]) -> object:
-    return report_mark(
-        fn,
-        plot_name=plot_name,
-        x_name="ratio",
-        x_vals=RATIOS,
-        lines=lines,
-        line_names=[NAMES.get(line, line) for line in lines],
-        line_arg="mode",
-        ylabel=ylabel,
-        xlabel="T_cpu / T_dev",
-        x_log=False,
-        y_log=False,
-    )
-
-
-def step_ms(ratio: float, mode: str) -> float:
-    sync, over = _runs(ratio)
-    if mode == "gil":
-        return _runs(ratio, gil=True)[1].step_time * 1e3
-    return {"sync": sync.step_time, "overlap": over.step_time, "ideal": _ideal(sync)}[mode] * 1e3
-
-
-def idle_pct(ratio: float, mode: str) -> float:
-    sync, over = _runs(ratio)
-    return 100 * (sync if mode == "sync" else over).idle_fraction
+def overlap_step(t_ms: float, line: tuple[str, int], key: str) -> float:
+    """Step time over the nominal max(T_cpu, T_dev), and the runtime's own host us per step."""
+    mode, bs = line
+    return run(t_ms, t_ms, bs, mode == "overlap")[key]
 
 
 def main() -> None:
-    print(f"overlap sweep on {DEVICE}: T_dev {T_DEV * 1e3:g} ms, batch {BATCH}, {STEPS} steps per point")
-    title = f"Step time vs host work, T_dev = {T_DEV * 1e3:g} ms ({DEVICE}, batch {BATCH})"
-    df = run_report(
-        _mark("overlap_step_time", ["sync", "overlap", "ideal", "gil"], "ms per step", step_ms),
-        title=title,
-        ylabel="step time (ms)",
-    )
-    run_report(
-        _mark("overlap_device_idle", ["sync", "overlap"], "% idle", idle_pct),
-        title=f"Forward-stream idle fraction, T_dev = {T_DEV * 1e3:g} ms ({DEVICE})",
-        ylabel="device idle (% of run)",
-    )
-    over, ideal, sync = (
-        column(df, "overlap", "ms per step"),
-        column(df, NAMES["ideal"], "ms per step"),
-        column(df, "sync", "ms per step"),
-    )
-    ratio_to_ideal = [r2(o / i) for o, i in zip(over, ideal, strict=True)]
-    speedup = [r2(s / o) for s, o in zip(sync, over, strict=True)]
-    print("overlap / ideal per T_cpu/T_dev:", dict(zip(RATIOS, ratio_to_ideal, strict=True)))
-    print("sync / overlap per T_cpu/T_dev:", dict(zip(RATIOS, speedup, strict=True)))
-    merge_summary(
+    harness.save(overlap_step)
+    # Keyed by T in ms: {"overlap_batch16": {"1": 1.2, "4": ...}}.
+    per_t = {
+        key: {
+            f"{m}_batch{bs}": {str(t): round(run(t, t, bs, m == "overlap")[key], 3) for t in T_MS}
+            for m, bs in LINES
+        }
+        for key in ("over_nominal", "runtime_host_us")
+    }
+    idle = round(run(4, 2, 16, True)["idle_pct"], 3)
+    harness.record(
         "overlap",
         {
-            "t_dev_ms": T_DEV * 1e3,
-            "ratios": RATIOS,
-            "overlap_over_ideal": ratio_to_ideal,
-            "sync_over_overlap": speedup,
-            "idle_pct_overlap_at_ratio_0.5": r2(idle_pct(0.5, "overlap")),
+            "steps": STEPS,
+            "step_over_nominal": per_t["over_nominal"],
+            "runtime_host_us_per_step": per_t["runtime_host_us"],
+            "idle_pct_t_dev4_t_cpu2": idle,
         },
     )
-    describe("overlap_step_time", "ms per step of sync and overlapped loops vs T_cpu/T_dev; ideal max(Tc,Td)")
-    describe("overlap_device_idle", "forward-stream idle % of the run, sync vs overlap")
-    write_meta("bench_overlap", [])
+    for name, values in per_t["over_nominal"].items():
+        print(f"{name}: step / nominal max(T_cpu, T_dev), per T in ms: {values}")
+    print(f"forward-stream idle, overlap, batch 16, T_dev 4 ms, T_cpu 2 ms: {idle:.2f}%")
 
 
 if __name__ == "__main__":

@@ -1,54 +1,40 @@
 """Fused input preparation (one launch) vs the unfused torch sequence engines run.
 
-``python -m perf.bench_prepare``. A batch of ``bs`` requests: a share of them are prefill chunks
-(8..128 concrete tokens each, random prefix), the rest decodes (one placeholder each, into an
-8192-slot map holding real tokens). Lines are ``provider, prefill share``:
+    python -m perf.bench_prepare          # CI=1: the small sweep
+
+A batch of ``bs`` requests: decodes (one placeholder each, into an 8192-slot map holding real
+tokens) and, on the ``mixed`` lines, half of them prefill chunks instead (8..128 concrete
+tokens, random prefix). Lines are ``(provider, mix)``:
 
 * ``tfuture``: ``prepare_inputs(tokens, seg_starts, prefix_lens, token_map, out=..., err=...)``
-  on the mixed stream (built on the host as one tensor), writing into preallocated outputs as
-  under CUDA-graph capture. On CPU it is the launcher's checks plus its CPU path (numpy).
-* ``torch``: :func:`prepare_unfused` below: cat of the prefill tokens and the decode
-  placeholders (as an engine merges a prefill batch with its running decodes), gather + where
-  to resolve, cumsum for the last-token rows, arange minus repeat_interleave for positions.
+  on the mixed stream, into preallocated outputs as under CUDA-graph capture. On CPU (no
+  ``TRITON_INTERPRET``) that is the launcher's checks plus its host path.
+* ``torch``: :func:`prepare_unfused`: cat of the prefill tokens and the decode placeholders,
+  gather + where to resolve, cumsum for the last-token rows, arange minus repeat_interleave
+  for positions.
 
-Both start from the same device inputs and produce equal outputs (checked before timing).
+Both start from the same device inputs and give equal outputs (checked before timing).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
-import numpy as np
 import torch
+import triton
 
-from perf._common import (
-    DEVICE,
-    HAS_CUDA,
-    HOST_TIMING,
-    NO_GPU,
-    Sweep,
-    column,
-    column_ratio,
-    host_where,
-    merge_summary,
-    pick,
-    r2,
-    r2_list,
-    skip,
-    verdict,
-    write_meta,
-)
-from tfuture import FutureMap
-from tfuture.kernels.resolve import PreparedInputs, prepare_inputs
+from perf import harness
+from perf.harness import DEVICE, HAS_CUDA
+from tfuture import FutureMap, PreparedInputs, prepare_inputs
 
 N_SLOTS = 8192
-VOCAB = 32000
-BATCH = pick([1, 4, 16, 64, 256, 1024], [1, 64, 1024])
-SHARES = pick([0.0, 0.1, 0.5], [0.0, 0.5])
-PROVIDERS = ("tfuture", "torch")
-_LS = ("-", "--", ":")
+BATCH = harness.sweep([1, 4, 16, 64, 256, 1024], [1, 64, 1024])
+# Prefill share of the requests: "decode" lines have none, "mixed" lines half.
+SHARES = {"decode": 0.0, "mixed": 0.5}
+LINES = [(p, s) for s in SHARES for p in ("tfuture", "torch")]
+NAMES = [f"{p} {s}" for p, s in LINES]
+STYLES = [("blue" if p == "tfuture" else "red", "-" if s == "decode" else "--") for p, s in LINES]
 
 
 def prepare_unfused(
@@ -63,138 +49,89 @@ def prepare_unfused(
     ids = torch.cat([pre_tokens, dec_ph])
     ids = torch.where(ids < 0, token_map[(-ids).clamp(min=0)], ids)
     cu = torch.cumsum(ext_lens, 0)
-    last_rows = cu - 1
     # Row r of request q sits at position r - (start_q - prefix_q); output_size avoids a sync.
     shift = torch.repeat_interleave(cu - ext_lens - prefix_lens, ext_lens, output_size=n_tokens)
-    positions = torch.arange(n_tokens, device=ids.device) - shift
-    return ids, positions, last_rows
+    return ids, torch.arange(n_tokens, device=ids.device) - shift, cu - 1
 
 
-class Batch:
-    """One mixed batch, in both input layouts, on ``DEVICE``."""
+class MixedBatch:
+    """One batch of prefill chunks and decodes, in both input layouts, on ``DEVICE``."""
 
     def __init__(self, bs: int, share: float) -> None:
         g = torch.Generator().manual_seed(bs * 1000 + round(share * 100))
         n_pre = min(bs, math.ceil(share * bs))
         n_dec = bs - n_pre
         self.fmap = FutureMap(N_SLOTS, device=DEVICE, dtype=torch.int64)
-        self.fmap.store(self.fmap.alloc(N_SLOTS), torch.randint(0, VOCAB, (N_SLOTS,), generator=g).to(DEVICE))
+        self.fmap.store(self.fmap.alloc(N_SLOTS), torch.randint(0, 32000, (N_SLOTS,), generator=g).to(DEVICE))
         pre_lens = torch.randint(8, 129, (n_pre,), generator=g)
         ext_lens = torch.cat([pre_lens, torch.ones(n_dec, dtype=torch.int64)])
-        prefix_lens = torch.cat(
+        prefix = torch.cat(
             [torch.randint(0, 512, (n_pre,), generator=g), torch.randint(16, 4096, (n_dec,), generator=g)]
         )
-        pre_tokens = torch.randint(0, VOCAB, (int(pre_lens.sum()),), generator=g)
+        pre_tokens = torch.randint(0, 32000, (int(pre_lens.sum()),), generator=g)
         dec_ph = -(torch.randperm(N_SLOTS, generator=g)[:n_dec] + 1)
         self.n_tokens = int(ext_lens.sum())
         seg_starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(ext_lens, 0)])
         to = functools.partial(torch.Tensor.to, device=DEVICE)
         self.pre_tokens, self.dec_ph, self.ext_lens = to(pre_tokens), to(dec_ph), to(ext_lens)
-        self.prefix_lens, self.seg_starts = to(prefix_lens), to(seg_starts)
+        self.prefix_lens, self.seg_starts = to(prefix), to(seg_starts)
         self.tokens = to(torch.cat([pre_tokens, dec_ph]))
-        self.out = PreparedInputs(
-            torch.empty(self.n_tokens, dtype=torch.int64, device=DEVICE),
-            torch.empty(self.n_tokens, dtype=torch.int64, device=DEVICE),
-            torch.empty(bs, dtype=torch.int64, device=DEVICE),
-        )
+        empty = functools.partial(torch.empty, dtype=torch.int64, device=DEVICE)
+        self.out = PreparedInputs(empty(self.n_tokens), empty(self.n_tokens), empty(bs))
 
     def fused(self) -> PreparedInputs:
-        tm = self.fmap.token_map
-        return prepare_inputs(
-            self.tokens, self.seg_starts, self.prefix_lens, tm, out=self.out, err=self.fmap.err
-        )
+        tm, err = self.fmap.token_map, self.fmap.err
+        return prepare_inputs(self.tokens, self.seg_starts, self.prefix_lens, tm, out=self.out, err=err)
 
     def unfused(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tm = self.fmap.token_map
         return prepare_unfused(
-            self.pre_tokens, self.dec_ph, self.ext_lens, self.prefix_lens, self.fmap.token_map, self.n_tokens
+            self.pre_tokens, self.dec_ph, self.ext_lens, self.prefix_lens, tm, self.n_tokens
         )
-
-    def check(self) -> None:
-        got, want = self.fused(), self.unfused()
-        for name, a, b in zip(PreparedInputs._fields, got, want, strict=True):
-            if not torch.equal(a, b):
-                raise AssertionError(f"prepare: fused {name} differs from the unfused sequence")
-        self.fmap.check()
 
 
 @functools.cache
-def make_batch(bs: int, share: float) -> Batch:
-    batch = Batch(bs, share)
-    batch.check()
+def make_batch(bs: int, share: float) -> MixedBatch:
+    batch = MixedBatch(bs, share)
+    for name, a, b in zip(PreparedInputs._fields, batch.fused(), batch.unfused(), strict=True):
+        if not torch.equal(a, b):
+            raise AssertionError(f"prepare: fused {name} differs from the unfused sequence at bs={bs}")
+    batch.fmap.check()
     return batch
 
 
-def _fn(bs: int, provider: tuple[str, float]) -> Callable[[], object]:
-    name, share = provider
-    batch = make_batch(bs, share)
-    return batch.fused if name == "tfuture" else batch.unfused
-
-
-def _label(name: str, share: float) -> str:
-    return f"{name}, {'decode only' if share == 0 else f'{share:.0%} prefill'}"
-
-
-LINES = [(p, s) for s in SHARES for p in PROVIDERS]
-NAMES = [_label(p, s) for p, s in LINES]
-
-
-_COLORS = {"tfuture": "blue", "torch": "red"}
-SWEEP = Sweep(
-    "prepare",
-    _fn,
-    x_name="bs",
-    x_vals=BATCH,
-    xlabel="batch size (requests; prefill chunks 8-128 tokens, decodes 1 placeholder)",
-    point="{provider} bs={bs}",
-    line_names=NAMES,
-    styles=[(_COLORS[p], _LS[SHARES.index(s)]) for p, s in LINES],
+@triton.testing.perf_report(
+    [
+        triton.testing.Benchmark(
+            x_names=["bs"],
+            x_vals=BATCH,
+            x_log=True,
+            y_log=True,
+            line_arg="provider",
+            line_vals=LINES,
+            line_names=NAMES,
+            styles=STYLES,
+            xlabel="requests (prefill chunks 8-128 tokens, decodes 1 placeholder)",
+            ylabel="us",
+            plot_name=f"prepare_{timer}",
+            args={"timer": timer},
+        )
+        for timer in harness.TIMERS
+    ]
 )
+def prepare(bs: int, provider: tuple[str, str], timer: str) -> harness.Timing:
+    """Building ids, positions and last rows: device time (do_bench) or host wall time (no sync).
 
-
-def _speedups(df: object) -> np.ndarray:
-    """torch / tfuture per (batch size, share)."""
-    return np.stack([column_ratio(df, _label("torch", s), _label("tfuture", s)) for s in SHARES])
+    Median, band p20-p80. On CPU the whole preparation runs on the host.
+    """
+    batch = make_batch(bs, SHARES[provider[1]])
+    return harness.timed(batch.fused if provider[0] == "tfuture" else batch.unfused, timer)
 
 
 def main() -> None:
-    skipped: list[str] = []
-    summary: dict[str, object] = {"batch_sizes": BATCH, "prefill_shares": SHARES}
-    if HAS_CUDA:
-        df = SWEEP.plot(
-            "device",
-            "prepare_device_time",
-            LINES,
-            title="prepare_inputs: fused launch vs unfused torch, device time per call",
-            about="do_bench device time of building ids, positions, last rows",
-        )
-        speed = _speedups(df)
-        summary |= {
-            "unfused_over_fused_device_min": r2(np.nanmin(speed)),
-            "unfused_over_fused_device_max": r2(np.nanmax(speed)),
-        }
-        worst = np.nanmin(speed)
-        verdict(summary, "device: unfused / fused >= 4", worst, worst >= 4)
-    else:
-        skip(skipped, "prepare_device_time (fused and unfused)", NO_GPU)
-
-    df = SWEEP.plot(
-        "host",
-        "prepare_host_cost",
-        LINES,
-        title=f"prepare_inputs: host cost per call ({host_where('GPU launches, no sync')})",
-        about=HOST_TIMING,
-    )
-    speed = _speedups(df)
-    summary |= {
-        "unfused_over_fused_host_min": r2(np.nanmin(speed)),
-        "unfused_over_fused_host_max": r2(np.nanmax(speed)),
-        "fused_host_us_decode_only": r2_list(column(df, _label("tfuture", 0.0))),
-        "unfused_host_us_decode_only": r2_list(column(df, _label("torch", 0.0))),
-    }
-    worst = 1 / np.nanmin(speed)
-    verdict(summary, "host: fused / unfused <= 1", worst, worst <= 1, contract=HAS_CUDA)
-    merge_summary("prepare", summary)
-    write_meta("bench_prepare", skipped)
+    if not HAS_CUDA:
+        harness.skip("prepare_device_time (fused and unfused)", harness.NO_GPU)
+    harness.save(prepare)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared check for a GPU session: the test suite on CUDA, then the full `python -m perf`.
+# The one prepared check for a GPU session: the test suite on CUDA, then the full
+# `python -m perf --refresh`, which rewrites perf/results/<device>/ (h200 on an H200).
 # Run from anywhere on the GPU machine: `bash perf/gpu_check.sh`. Uses the image's python3 (torch
 # and triton preinstalled, no registry: no pip). Logs are teed into $OUT as they are written.
 # The device tool returns at most 8 files from $OUT, so perf/results/<device>/ comes back as
@@ -24,10 +25,10 @@ timeout "${TEST_TIMEOUT_S:-240}" $PY -m pytest -q -p no:cacheprovider tests 2>&1
 test_rc=${PIPESTATUS[0]}
 
 # A time limit of our own, so that a slow run still leaves its partial results to pack.
-timeout "${PERF_TIMEOUT_S:-420}" $PY -m perf 2>&1 | tee "$OUT/perf.log"
+timeout "${PERF_TIMEOUT_S:-420}" $PY -m perf --refresh 2>&1 | tee "$OUT/perf.log"
 perf_rc=${PIPESTATUS[0]}
 
-dev=$($PY -c 'from perf._common import device_slug; print(device_slug())')
+dev=$($PY -c 'from perf.harness import device_slug; print(device_slug())')
 if [ -n "$dev" ] && [ -d "perf/results/$dev" ]; then
   tar -C perf/results -czf "$OUT/results_$dev.tgz" "$dev"
   for f in summary.json meta.json README.md; do

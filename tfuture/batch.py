@@ -11,12 +11,19 @@ import torch
 from tfuture.slots import FutureIndices
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
 def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
-    if not isinstance(a, np.ndarray) or a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+    # dtype.kind, not np.issubdtype: about 1 us less per array, on every step's host path.
+    if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
         got = type(a).__name__ if not isinstance(a, np.ndarray) else f"{a.dtype} array of shape {a.shape}"
         raise TypeError(f"Batch.{name} must be a 1-D integer numpy array, got {got}")
     if n is not None and a.size != n:
         raise ValueError(f"Batch.{name} must have {n} entries (one per request), got {a.size}")
+    if a.dtype == np.uint64 and a.size and int(a.max()) > _INT64_MAX:
+        # Cast to int64 it would wrap to a negative id: a placeholder nobody made.
+        raise ValueError(f"Batch.{name} must fit in int64, got a uint64 value {int(a.max())}")
     return a.astype(np.int64, copy=False)
 
 

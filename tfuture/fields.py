@@ -20,8 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tfuture.futures import FutureIndices, FutureMap
-from tfuture.kernels.fields import as_words, gather_fields, row_stride, store_fields
+from tfuture.futures import FutureMap
+from tfuture.slots import FutureIndices
+from tfuture.kernels.fields import (
+    as_words,
+    gather_fields,
+    launch_gather_fields,
+    launch_store_fields,
+    row_stride,
+)
 
 Shape = tuple[int, ...]
 
@@ -178,7 +185,7 @@ class FutureFields:
                 v.record_stream(stream)
         slots, negated = self._slot_arg(fi)
         # Every check above covers what store_fields would check again: skip them (host cost).
-        store_fields([self._buffers[k] for k in names], slots, values, negated=negated, validate=False)
+        launch_store_fields([self._buffers[k] for k in names], slots, values, negated, None)
 
     def gather(
         self,
@@ -215,7 +222,10 @@ class FutureFields:
         bufs = [self._buffers[k] for k in names]
         # A handle's slots and our own buffers need no second check; a user tensor or out= does.
         trusted = outs is None and isinstance(src, FutureIndices)
-        res = gather_fields(bufs, slots, out=outs, negated=negated, err=self.fmap.err, validate=not trusted)
+        if trusted:
+            res = launch_gather_fields(bufs, slots, outs, negated, self.fmap.err)
+        else:
+            res = gather_fields(bufs, slots, out=outs, negated=negated, err=self.fmap.err)
         return dict(zip(names, res, strict=True))
 
     def _has_duplicates(self, slots: np.ndarray) -> bool:

@@ -38,9 +38,10 @@ class Span:
 
 @dataclass(slots=True, eq=False)
 class Marker:
-    """An event recorded on the forward stream after all work submitted before it."""
+    """A point on the forward stream after all work submitted before it: the ``seq``-th op of a
+    CPU stream (no object per marker to build or signal), or a recorded CUDA event."""
 
-    done: threading.Event = field(default_factory=threading.Event)
+    seq: int = 0
     cuda_event: torch.cuda.Event | None = None
 
 
@@ -140,6 +141,10 @@ class CpuStream(ForwardStream):
         self._grad = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
         SWITCH_INTERVAL.acquire(switch_s)
+        # Ops submitted, and ops the worker got past (run, skipped or failed); under _cond.
+        self._submitted = 0
+        self._done = 0
+        self._cond = threading.Condition()
         self._queue: queue.SimpleQueue[tuple[str, int, Callable[[], object]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tfuture-forward", daemon=True)
         self._closed = False
@@ -150,41 +155,43 @@ class CpuStream(ForwardStream):
             self._serve()
 
     def _serve(self) -> None:
-        get, clock = self._queue.get, time.perf_counter
+        get, clock, cond = self._queue.get, time.perf_counter, self._cond
         while True:
             item = get()
             if item is None:
                 return
             name, step, fn = item
-            if self._error is not None and name != "marker":
-                continue
             try:
-                if self.delay is not None and name != "marker":
-                    pause = self.delay(name)
-                    if pause > 0:
-                        time.sleep(pause)
-                start = clock()
-                fn()
-                if self.trace and name != "marker":
-                    self.spans.append(Span(name, step, start, clock()))
+                if self._error is None:
+                    if self.delay is not None:
+                        pause = self.delay(name)
+                        if pause > 0:
+                            time.sleep(pause)
+                    start = clock()
+                    fn()
+                    if self.trace:
+                        self.spans.append(Span(name, step, start, clock()))
             except BaseException as exc:
                 self._fail(exc, name, step)
+            with cond:
+                self._done += 1
+                cond.notify_all()
 
     def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
         if self._closed:
             raise RuntimeError("submit on a closed CpuStream")
+        self._submitted += 1
         self._queue.put((name, step, fn))
 
     def record(self) -> Marker:
-        marker = Marker()
-        self.submit("marker", -1, marker.done.set)
-        return marker
+        return Marker(self._submitted)
 
     def wait(self, marker: Marker) -> None:
-        # Poll so that a dead worker can never hang the host.
-        while not marker.done.wait(0.05):
-            if not self._thread.is_alive():
-                raise RuntimeError("the forward-stream worker thread died")
+        with self._cond:
+            # Poll so that a dead worker can never hang the host.
+            while self._done < marker.seq:
+                if not self._cond.wait(0.05) and not self._thread.is_alive():
+                    raise RuntimeError("the forward-stream worker thread died")
         self.raise_if_failed()
 
     def close(self) -> None:
@@ -198,6 +205,9 @@ class CpuStream(ForwardStream):
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+_DONE = Marker()
 
 
 class InlineStream(ForwardStream):
@@ -225,9 +235,7 @@ class InlineStream(ForwardStream):
             self._fail(exc, name, step)
 
     def record(self) -> Marker:
-        marker = Marker()
-        marker.done.set()
-        return marker
+        return _DONE
 
     def wait(self, marker: Marker) -> None:
         self.raise_if_failed()

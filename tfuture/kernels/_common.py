@@ -1,15 +1,27 @@
-"""Host-side validation and dispatch shared by the kernel launchers."""
+"""What every kernel family shares: the dispatch, host checks, and the error-flag helpers.
+
+``use_triton`` is the one dispatch: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``,
+run the Triton kernel; other CPU tensors run :mod:`tfuture.kernels.cpu`. ``block_rows``,
+``in_range``, ``load_slots`` and ``flag_bad`` are the ``@triton.jit`` pieces that every kernel's
+rows, bounds check and error flag are made of; ``record_bad_`` is the references' error flag.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import TypeAlias
 
 import torch
+import triton
+import triton.language as tl
 
 INT_DTYPES = (torch.int32, torch.int64)
 
 # The interpreter is chosen when triton is imported; reading it once keeps the per-call path lean.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Slot numbers: an index tensor, or a step-1 range for a contiguous run (no index read then).
+Slots: TypeAlias = torch.Tensor | range
 
 # Error-flag layout shared by every kernel: [count of bad entries, most negative bad value].
 ERR_LEN = 2
@@ -73,8 +85,44 @@ def check_err(err: object, ref: torch.Tensor) -> None:
     check_same_device("err", err, "token_map", ref)
 
 
-def record_bad_(err: torch.Tensor, bad: torch.Tensor, values: torch.Tensor) -> None:
-    """Torch twin of the kernels' error flag: count ``bad`` rows and keep the minimum value."""
-    err[0] += bad.sum()
-    worst = torch.where(bad, values.to(torch.int64), torch.zeros_like(values, dtype=torch.int64))
-    err[1] = torch.minimum(err[1], worst.min()) if values.numel() else err[1]
+def record_bad_(err: torch.Tensor | None, bad: torch.Tensor, values: torch.Tensor) -> None:
+    """The references' error flag: ``err[0] += bad.sum()``, ``err[1] = min(err[1], values[bad])``."""
+    if err is not None:
+        err[0] += bad.sum()
+        err[1:] = torch.cat([err[1:], values.to(torch.int64)[bad]]).min()
+
+
+@triton.jit
+def block_rows(BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` row numbers, int64 so that ``row * stride`` never wraps in int32."""
+    return tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
+def in_range(slots, n_slots):
+    """Slot 0 is the padding row and slots past the map do not exist: neither is ever touched."""
+    return (slots >= 1) & (slots < n_slots)
+
+
+@triton.jit
+def load_slots(slots_ptr, offs, live, slot_start, CONTIGUOUS: tl.constexpr, NEGATED: tl.constexpr):
+    """Slot numbers of rows ``offs`` as int64: ``slot_start + offs`` for a contiguous run (no
+    index read), else ``slots[offs]``, negated when the index holds placeholders ``-slot``."""
+    if CONTIGUOUS:
+        slots = slot_start + offs
+    else:
+        slots = tl.load(slots_ptr + offs, mask=live, other=0).to(tl.int64)
+        if NEGATED:
+            slots = -slots
+    return slots
+
+
+@triton.jit
+def flag_bad(err_ptr, bad, value, BLOCK: tl.constexpr):
+    """Count the ``bad`` lanes in ``err[0]`` and keep the minimum of their ``value`` in ``err[1]``.
+
+    The atomics are masked to the bad lanes: a clean batch issues none.
+    """
+    zero = tl.zeros([BLOCK], dtype=tl.int64)
+    tl.atomic_add(err_ptr + zero, tl.full([BLOCK], 1, tl.int64), mask=bad)
+    tl.atomic_min(err_ptr + 1 + zero, value.to(tl.int64), mask=bad)

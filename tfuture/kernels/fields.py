@@ -12,13 +12,26 @@ copied to the device per call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import torch
 import triton
 import triton.language as tl
 
-from tfuture.kernels._common import cdiv, check_err, next_pow2, record_bad_, use_triton
-from tfuture.kernels._fields_common import (
+from tfuture.kernels import cpu
+from tfuture.kernels._common import (
+    Slots,
+    block_rows,
+    cdiv,
+    check_err,
+    flag_bad,
+    in_range,
+    load_slots,
+    next_pow2,
+    record_bad_,
+    use_triton,
+)
+from tfuture.kernels._field_layout import (
     as_words,
     block_cols,
     check_outs,
@@ -28,7 +41,19 @@ from tfuture.kernels._fields_common import (
     row_width,
 )
 
-__all__ = ["as_words", "gather_fields", "gather_fields_ref", "row_stride", "store_fields", "store_fields_ref"]
+__all__ = [
+    "as_words",
+    "gather_fields",
+    "gather_fields_ref",
+    "launch_gather_fields",
+    "launch_store_fields",
+    "row_stride",
+    "store_fields",
+    "store_fields_ref",
+]
+
+# One tensor per field: the buffers, the payloads, the gathered outputs.
+Fields: TypeAlias = Sequence[torch.Tensor]
 
 # Tile budget per field and program: about 4K words keeps a tile in registers at 4 warps.
 _TILE = 4096
@@ -56,17 +81,11 @@ def _fields_kernel(
     NEGATED: tl.constexpr,
     HAS_ERR: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = block_rows(BLOCK_R)
     live = rows < n_rows
-    if CONTIGUOUS:
-        slots = slot_start + rows
-    else:
-        slots = tl.load(slots_ptr + rows, mask=live, other=0).to(tl.int64)
-        if NEGATED:
-            slots = -slots
-    # Slot 0 is padding and anything past the map is never touched; gather writes zeros there.
-    ok = live & (slots >= 1) & (slots < n_slots)
+    slots = load_slots(slots_ptr, rows, live, slot_start, CONTIGUOUS=CONTIGUOUS, NEGATED=NEGATED)
+    # A slot outside the map is never touched; gather writes zeros in its output row.
+    ok = live & in_range(slots, n_slots)
     if GATHER:
         src_rows, dst_rows, src_ok, dst_ok = slots, rows, ok, live
     else:
@@ -81,27 +100,24 @@ def _fields_kernel(
             dst = dst_ptrs[f] + dst_rows[:, None] * dst_strides[f] + cols[None, :]
             tl.store(dst, words, mask=dst_ok[:, None] & in_row)
     if HAS_ERR:
-        bad = live & ~ok
-        zero = tl.zeros([BLOCK_R], dtype=tl.int64)
-        tl.atomic_add(err_ptr + zero, tl.full([BLOCK_R], 1, tl.int64), mask=bad)
-        tl.atomic_min(err_ptr + 1 + zero, -slots, mask=bad)
+        flag_bad(err_ptr, live & ~ok, -slots, BLOCK=BLOCK_R)
 
 
-def _launch(
-    buffers: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
-    slots: torch.Tensor | range,
-    n: int,
-    *,
-    gather: bool,
-    negated: bool,
-    err: torch.Tensor | None,
+def _launch_kernel(
+    buffers: Fields, values: Fields, slots: Slots, negated: bool, err: torch.Tensor | None, gather: bool
 ) -> None:
+    n = len(slots)
     live = [i for i, b in enumerate(buffers) if row_width(b) > 0]
     widths = tuple(row_width(buffers[i]) for i in live)
     bufs = tuple(as_words(buffers[i]) for i in live)
     vals = tuple(as_words(values[i]) for i in live)
     val_strides = tuple(row_stride(f"values[{i}]", values[i]) for i in live)
+    if not live:
+        if err is None:
+            return
+        # Nothing to copy, but bad slots are still flagged: one width-0 field whose pointers
+        # (err, never dereferenced) stand in for the empty buffers.
+        widths, bufs, vals, val_strides = (0,), (err,), (err,), (0,)
     block_c = tuple(block_cols(w) for w in widths)
     block_r = max(1, min(_ROW_CAP, _TILE // max(block_c), next_pow2(n)))
     src, dst = (bufs, vals) if gather else (vals, bufs)
@@ -130,13 +146,7 @@ def _launch(
 
 
 def store_fields(
-    buffers: Sequence[torch.Tensor],
-    slots: torch.Tensor | range,
-    values: Sequence[torch.Tensor],
-    *,
-    negated: bool = False,
-    err: torch.Tensor | None = None,
-    validate: bool = True,
+    buffers: Fields, slots: Slots, values: Fields, *, negated: bool = False, err: torch.Tensor | None = None
 ) -> None:
     """``buffers[f][slots[i]] = values[f][i]`` for every field ``f`` and row ``i``, in one launch.
 
@@ -149,37 +159,43 @@ def store_fields(
         negated: ``slots`` holds placeholders ``-slot`` (as ``FutureIndices.placeholders()``).
         err: optional ``[2]`` int64 flag; slots outside ``[1, n_slots)`` are never written and,
             with ``err``, counted in ``err[0]`` with ``min(-slot)`` in ``err[1]``.
-        validate: False skips the host checks, for a caller that made them already and
-            guarantees in-range slots (:class:`tfuture.fields.FutureFields`, whose handles name
-            live slots); the CPU path then skips its bounds check too. A bad call is undefined.
 
     Runs on the current stream, never syncs. ``n == 0`` is a no-op. Duplicate slots are the
     caller's bug (which row lands is unspecified).
     """
-    n = len(slots)
-    if validate:
-        ref = check_pairs(buffers, values, "values")
-        n = check_slots(slots, ref.shape[0], ref)
-        if values[0].shape[0] != n:
-            raise ValueError(f"values must have one row per slot ({n}), got {values[0].shape[0]}")
-        if err is not None:
-            check_err(err, ref)
-    if n == 0:
+    ref = check_pairs(buffers, values, "values")
+    n = check_slots(slots, ref.shape[0], ref)
+    if values[0].shape[0] != n:
+        raise ValueError(f"values must have one row per slot ({n}), got {values[0].shape[0]}")
+    if err is not None:
+        check_err(err, ref)
+    if n and not use_triton(ref):
+        # Not launch_store_fields: its CPU path trusts the caller's slots, and these may be bad.
+        cpu.store_fields(buffers, slots, values, negated, err)
         return
-    if not use_triton(buffers[0]) or not any(row_width(b) for b in buffers):
-        store_fields_ref(buffers, slots, values, negated=negated, err=err, in_range=not validate)
+    launch_store_fields(buffers, slots, values, negated, err)
+
+
+def launch_store_fields(
+    buffers: Fields, slots: Slots, values: Fields, negated: bool, err: torch.Tensor | None
+) -> None:
+    """:func:`store_fields` without its checks, for callers that made them already and name only
+    slots in ``[1, n_slots)`` (the CPU path then skips its bounds check; the kernel keeps it)."""
+    if len(slots) == 0:
         return
-    _launch(buffers, values, slots, n, gather=False, negated=negated, err=err)
+    if not use_triton(buffers[0]):
+        cpu.store_fields(buffers, slots, values, negated, err, in_range=True)
+        return
+    _launch_kernel(buffers, values, slots, negated, err, gather=False)
 
 
 def gather_fields(
-    buffers: Sequence[torch.Tensor],
-    slots: torch.Tensor | range,
+    buffers: Fields,
+    slots: Slots,
     *,
-    out: Sequence[torch.Tensor] | None = None,
+    out: Fields | None = None,
     negated: bool = False,
     err: torch.Tensor | None = None,
-    validate: bool = True,
 ) -> list[torch.Tensor]:
     """``out[f][i] = buffers[f][slots[i]]`` for every field, in one launch; returns ``out``.
 
@@ -190,100 +206,68 @@ def gather_fields(
             capture); default: fresh contiguous tensors.
         negated, err: as in :func:`store_fields`. A slot outside ``[1, n_slots)`` is never read:
             its output row is all zero bits.
-        validate: as in :func:`store_fields`.
 
     Runs on the current stream, never syncs. ``n == 0`` returns empty outputs without a launch.
     """
+    if not isinstance(buffers, Sequence) or not buffers:
+        raise ValueError("buffers must be a non-empty sequence of tensors")
+    if not isinstance(buffers[0], torch.Tensor):
+        raise TypeError(f"buffers[0] must be a torch.Tensor, got {type(buffers[0]).__name__}")
+    n = check_slots(slots, buffers[0].shape[0], buffers[0])
+    if out is not None:
+        check_outs(buffers, out, n)
+    if err is not None:
+        check_err(err, buffers[0])
+    if n and not use_triton(buffers[0]):
+        # Not launch_gather_fields: its CPU path trusts the caller's slots, and these may be bad.
+        return cpu.gather_fields(buffers, slots, out, negated, err)
+    return launch_gather_fields(buffers, slots, out, negated, err)
+
+
+def launch_gather_fields(
+    buffers: Fields, slots: Slots, out: Fields | None, negated: bool, err: torch.Tensor | None
+) -> list[torch.Tensor]:
+    """:func:`gather_fields` without its checks (``out=None`` allocates), for callers that name
+    only slots in ``[1, n_slots)``, as :func:`launch_store_fields`."""
     n = len(slots)
-    if validate:
-        if not isinstance(buffers, Sequence) or not buffers:
-            raise ValueError("buffers must be a non-empty sequence of tensors")
-        if not isinstance(buffers[0], torch.Tensor):
-            raise TypeError(f"buffers[0] must be a torch.Tensor, got {type(buffers[0]).__name__}")
-        n = check_slots(slots, buffers[0].shape[0], buffers[0])
-        if out is not None:
-            check_outs(buffers, out, n)
-        if err is not None:
-            check_err(err, buffers[0])
-    kernel = use_triton(buffers[0]) and any(row_width(b) for b in buffers)
-    if not kernel and n:
-        return gather_fields_ref(buffers, slots, out=out, negated=negated, err=err, in_range=not validate)
+    if n and not use_triton(buffers[0]):
+        return cpu.gather_fields(buffers, slots, out, negated, err, in_range=True)
     if out is None:
         out = [torch.empty((n, *b.shape[1:]), dtype=b.dtype, device=b.device) for b in buffers]
     if n:
-        _launch(buffers, out, slots, n, gather=True, negated=negated, err=err)
+        _launch_kernel(buffers, out, slots, negated, err, gather=True)
     return list(out)
 
 
-def _ref_slots(
-    slots: torch.Tensor | range, n_slots: int, device: torch.device, negated: bool, in_range: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(index, ok)``; ``ok`` is None when every slot is known to be in range."""
+def _ref_index(
+    slots: Slots, ref: torch.Tensor, negated: bool, err: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, ok)``: int64 slot numbers and which lie in ``[1, n_slots)``; flags the rest."""
     if isinstance(slots, range):
-        return torch.arange(slots.start, slots.stop, device=device), None
-    idx = -slots.to(torch.int64) if negated else slots
-    if in_range:
-        return idx, None
-    if not idx.is_cuda and idx.numel():
-        # On the host a bounds check is one reduction, and the common all-good case then
-        # needs no mask: 2-3 small ops fewer per call, each a few us on CPU.
-        lo, hi = idx.aminmax()
-        if int(lo) >= 1 and int(hi) < n_slots:
-            return idx, None
-    idx = idx.to(torch.int64)
-    return idx, (idx >= 1) & (idx < n_slots)
+        slots = torch.arange(slots.start, slots.stop, device=ref.device)
+    idx = -slots.to(torch.int64) if negated else slots.to(torch.int64)
+    ok = (idx >= 1) & (idx < ref.shape[0])
+    record_bad_(err, ~ok, -idx)
+    return idx, ok
 
 
 def store_fields_ref(
-    buffers: Sequence[torch.Tensor],
-    slots: torch.Tensor | range,
-    values: Sequence[torch.Tensor],
-    *,
-    negated: bool = False,
-    err: torch.Tensor | None = None,
-    in_range: bool = False,
+    buffers: Fields, slots: Slots, values: Fields, *, negated: bool = False, err: torch.Tensor | None = None
 ) -> None:
-    """Torch reference of :func:`store_fields` (its CPU path too): one indexing op per field.
-
-    ``in_range``: the caller guarantees every slot lies in ``[1, n_slots)`` (no bounds check).
-    """
-    if isinstance(slots, range):
-        for buf, val in zip(buffers, values, strict=True):
-            as_words(buf)[slots.start : slots.stop] = as_words(val)
-        return
-    idx, ok = _ref_slots(slots, buffers[0].shape[0], buffers[0].device, negated, in_range)
-    dst = (idx if ok is None else idx[ok]).to(torch.int64)
+    """Torch reference of :func:`store_fields`, the tests' oracle."""
+    idx, ok = _ref_index(slots, buffers[0], negated, err)
     for buf, val in zip(buffers, values, strict=True):
-        as_words(buf).index_copy_(0, dst, as_words(val) if ok is None else as_words(val)[ok])
-    if err is not None and ok is not None:
-        record_bad_(err, ~ok, -idx)
+        as_words(buf)[idx[ok]] = as_words(val)[ok]
 
 
 def gather_fields_ref(
-    buffers: Sequence[torch.Tensor],
-    slots: torch.Tensor | range,
-    *,
-    out: Sequence[torch.Tensor] | None = None,
-    negated: bool = False,
-    err: torch.Tensor | None = None,
-    in_range: bool = False,
+    buffers: Fields, slots: Slots, *, negated: bool = False, err: torch.Tensor | None = None
 ) -> list[torch.Tensor]:
-    """Torch reference of :func:`gather_fields` (its CPU path too): one indexing op per field.
-
-    ``in_range``: as in :func:`store_fields_ref`.
-    """
-    idx, ok = _ref_slots(slots, buffers[0].shape[0], buffers[0].device, negated, in_range)
-    safe = idx if ok is None else torch.where(ok, idx, 0)
+    """Torch reference of :func:`gather_fields`, the tests' oracle: fresh outputs."""
+    idx, ok = _ref_index(slots, buffers[0], negated, err)
     res = []
-    for i, buf in enumerate(buffers):
-        if out is None:
-            words = as_words(buf).index_select(0, safe)
-            res.append(words.view(buf.dtype))
-        else:
-            words = torch.index_select(as_words(buf), 0, safe, out=as_words(out[i]))
-            res.append(out[i])
-        if ok is not None:
-            words[~ok] = 0
-    if err is not None and ok is not None:
-        record_bad_(err, ~ok, -idx)
+    for buf in buffers:
+        words = torch.zeros((len(idx), *buf.shape[1:]), dtype=as_words(buf).dtype, device=buf.device)
+        words[ok] = as_words(buf)[idx[ok]]
+        res.append(words.view(buf.dtype))
     return res

@@ -8,17 +8,20 @@ import torch
 import triton
 import triton.language as tl
 
+from tfuture.kernels import cpu
 from tfuture.kernels._common import (
     block_for,
+    block_rows,
     cdiv,
     check_err,
     check_same_device,
     check_vector,
+    flag_bad,
+    in_range,
     record_bad_,
     search_steps,
     use_triton,
 )
-from tfuture.kernels._resolve_host import prepare_cpu_into, resolve_host_
 
 
 @triton.jit
@@ -27,32 +30,21 @@ def _resolve_block(ids, live, map_ptr, err_ptr, n_slots, BLOCK: tl.constexpr, HA
     # -(int64 min) wraps to itself and stays < 1, so the most negative id is caught as bad.
     slots = -(ids.to(tl.int64))
     future = live & (ids < 0)
-    ok = future & (slots >= 1) & (slots < n_slots)
+    ok = future & in_range(slots, n_slots)
     tokens = tl.load(map_ptr + slots, mask=ok, other=0).to(ids.dtype)
     out = tl.where(ok, tokens, ids)
     if HAS_ERR:
         bad = future & ~ok
         # With an error channel a bad placeholder becomes token 0, so the forward never sees it.
         out = tl.where(bad, tl.zeros_like(ids), out)
-        zero = tl.zeros([BLOCK], dtype=tl.int64)
-        tl.atomic_add(err_ptr + zero, tl.full([BLOCK], 1, tl.int64), mask=bad)
-        tl.atomic_min(err_ptr + 1 + zero, ids.to(tl.int64), mask=bad)
+        flag_bad(err_ptr, bad, ids, BLOCK=BLOCK)
     return out
 
 
 # Sizes change every step: specializing on them (==1, %16) would recompile mid-step.
 @triton.jit(do_not_specialize=["n_ids", "n_slots"])
-def _resolve_kernel(
-    ids_ptr,
-    map_ptr,
-    err_ptr,
-    n_ids,
-    n_slots,
-    BLOCK: tl.constexpr,
-    HAS_ERR: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+def _resolve_kernel(ids_ptr, map_ptr, err_ptr, n_ids, n_slots, BLOCK: tl.constexpr, HAS_ERR: tl.constexpr):
+    offs = block_rows(BLOCK)
     mask = offs < n_ids
     ids = tl.load(ids_ptr + offs, mask=mask, other=0)
     out = _resolve_block(ids, mask, map_ptr, err_ptr, n_slots, BLOCK=BLOCK, HAS_ERR=HAS_ERR)
@@ -93,7 +85,7 @@ def launch_resolve_(ids: torch.Tensor, token_map: torch.Tensor, err: torch.Tenso
     if n == 0:
         return ids
     if not use_triton(ids):
-        return resolve_futures_ref(ids, token_map, err=err)
+        return cpu.resolve_(ids, token_map, err)
     block = block_for(n)
     _resolve_kernel[(cdiv(n, block),)](
         ids,
@@ -110,29 +102,16 @@ def launch_resolve_(ids: torch.Tensor, token_map: torch.Tensor, err: torch.Tenso
 def resolve_futures_ref(
     ids: torch.Tensor, token_map: torch.Tensor, *, err: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Torch reference of :func:`resolve_futures_` (also its CPU path without the interpreter)."""
-    if ids.device.type == "cpu":
-        resolve_host_(ids.numpy(), token_map.numpy(), err)
-    else:
-        ids.copy_(_resolved(ids, token_map, err))
-    return ids
-
-
-def _resolved(ids: torch.Tensor, token_map: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
-    """Out-of-place torch resolution of ``ids`` with the kernel's error semantics."""
-    n_slots = token_map.numel()
-    # A clamped gather keeps every read in bounds; out-of-range placeholders are fixed up below.
-    gathered = token_map[(-ids.to(torch.int64)).clamp_(0, n_slots - 1)]
-    out = torch.where(ids < 0, gathered.to(ids.dtype), ids)
-    # -s with s >= n_slots, and the dtype minimum (whose negation wraps), are bad placeholders.
-    bad = ids < 1 - n_slots
-    # The reference runs on CPU tensors only, where asking the host costs no device sync.
-    if ids.device.type == "cpu" and not bool(bad.any()):
-        return out
-    if err is None:
-        return torch.where(bad, ids, out)
+    """Torch reference of :func:`resolve_futures_`, the tests' oracle."""
+    # In int64 the int32 minimum negates to 2**31 and the int64 minimum to itself: both bad.
+    slots = -ids.to(torch.int64)
+    ok = (ids < 0) & (slots >= 1) & (slots < token_map.numel())
+    bad = (ids < 0) & ~ok
     record_bad_(err, bad, ids)
-    return torch.where(bad, torch.zeros_like(ids), out)
+    ids[ok] = token_map[slots[ok]].to(ids.dtype)
+    if err is not None:
+        ids[bad] = 0
+    return ids
 
 
 class PreparedInputs(NamedTuple):
@@ -162,8 +141,7 @@ def _prepare_kernel(
     SEARCH_STEPS: tl.constexpr,
     HAS_ERR: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = block_rows(BLOCK)
     # The real token count lives on the device (seg_starts[n_reqs]) so a CUDA graph can replay.
     total = tl.minimum(tl.load(seg_ptr + n_reqs).to(tl.int64), n_tokens)
     live = offs < total
@@ -189,37 +167,6 @@ def _prepare_kernel(
     seg_end = tl.load(seg_ptr + offs + 1, mask=reqs, other=1).to(tl.int64)
     last = tl.maximum(tl.minimum(seg_end, total) - 1, 0)
     tl.store(last_out_ptr + offs, last.to(last_out_ptr.dtype.element_ty), mask=reqs)
-
-
-def _check_prepare_args(
-    tokens: torch.Tensor,
-    seg_starts: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    token_map: torch.Tensor,
-    n_rows: int,
-    out: PreparedInputs | None,
-) -> None:
-    check_vector("token_map", token_map)
-    for name, t in (("tokens", tokens), ("seg_starts", seg_starts), ("prefix_lens", prefix_lens)):
-        check_vector(name, t)
-        check_same_device(name, t, "token_map", token_map)
-    if seg_starts.numel() != prefix_lens.numel() + 1:
-        raise ValueError(
-            f"seg_starts must have len(prefix_lens) + 1 = {prefix_lens.numel() + 1} entries, "
-            f"got {seg_starts.numel()}"
-        )
-    if isinstance(n_rows, bool) or not isinstance(n_rows, int):
-        raise TypeError(f"n_rows must be an int, got {type(n_rows).__name__}")
-    if n_rows < tokens.numel():
-        raise ValueError(f"n_rows must be >= len(tokens) = {tokens.numel()}, got {n_rows}")
-    if out is None:
-        return
-    want = (n_rows, n_rows, prefix_lens.numel())
-    for name, t, size in zip(PreparedInputs._fields, out, want, strict=True):
-        check_vector(f"out.{name}", t)
-        check_same_device(f"out.{name}", t, "token_map", token_map)
-        if t.numel() != size:
-            raise ValueError(f"out.{name} must have {size} entries, got {t.numel()}")
 
 
 def prepare_inputs(
@@ -253,9 +200,42 @@ def prepare_inputs(
         ``last_rows[q] = max(min(seg_starts[q+1], total) - 1, 0)``. Padding rows are 0.
     """
     n_rows = tokens.numel() if n_rows is None else n_rows
-    _check_prepare_args(tokens, seg_starts, prefix_lens, token_map, n_rows, out)
+    check_vector("token_map", token_map)
+    for name, t in (("tokens", tokens), ("seg_starts", seg_starts), ("prefix_lens", prefix_lens)):
+        check_vector(name, t)
+        check_same_device(name, t, "token_map", token_map)
+    if seg_starts.numel() != prefix_lens.numel() + 1:
+        raise ValueError(
+            f"seg_starts must have len(prefix_lens) + 1 = {prefix_lens.numel() + 1} entries, "
+            f"got {seg_starts.numel()}"
+        )
+    if isinstance(n_rows, bool) or not isinstance(n_rows, int):
+        raise TypeError(f"n_rows must be an int, got {type(n_rows).__name__}")
+    if n_rows < tokens.numel():
+        raise ValueError(f"n_rows must be >= len(tokens) = {tokens.numel()}, got {n_rows}")
+    if out is not None:
+        for name, t, size in zip(
+            PreparedInputs._fields, out, (n_rows, n_rows, prefix_lens.numel()), strict=True
+        ):
+            check_vector(f"out.{name}", t)
+            check_same_device(f"out.{name}", t, "token_map", token_map)
+            if t.numel() != size:
+                raise ValueError(f"out.{name} must have {size} entries, got {t.numel()}")
     if err is not None:
         check_err(err, token_map)
+    return launch_prepare(tokens, seg_starts, prefix_lens, token_map, n_rows, out, err)
+
+
+def launch_prepare(
+    tokens: torch.Tensor,
+    seg_starts: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    token_map: torch.Tensor,
+    n_rows: int,
+    out: PreparedInputs | None,
+    err: torch.Tensor | None,
+) -> PreparedInputs:
+    """:func:`prepare_inputs` without its argument checks (``out=None`` allocates)."""
     n_reqs = prefix_lens.numel()
     if out is None:
         dev = token_map.device
@@ -268,7 +248,7 @@ def prepare_inputs(
     if n_prog == 0:
         return out
     if not use_triton(token_map):
-        _prepare_ref_into(tokens, seg_starts, prefix_lens, token_map, out, err)
+        cpu.prepare(tokens, seg_starts, prefix_lens, token_map, out, err)
         return out
     block = block_for(n_prog)
     _prepare_kernel[(cdiv(n_prog, block),)](
@@ -298,42 +278,16 @@ def prepare_inputs_ref(
     n_rows: int | None = None,
     err: torch.Tensor | None = None,
 ) -> PreparedInputs:
-    """Torch reference of :func:`prepare_inputs`: the unfused sequence, several launches."""
+    """Torch reference of :func:`prepare_inputs`, the tests' oracle: the unfused sequence."""
     n_rows = tokens.numel() if n_rows is None else n_rows
-    _check_prepare_args(tokens, seg_starts, prefix_lens, token_map, n_rows, None)
-    dev = token_map.device
-    out = PreparedInputs(
-        torch.zeros(n_rows, dtype=tokens.dtype, device=dev),
-        torch.zeros(n_rows, dtype=torch.int64, device=dev),
-        torch.zeros(prefix_lens.numel(), dtype=torch.int64, device=dev),
-    )
-    _prepare_ref_into(tokens, seg_starts, prefix_lens, token_map, out, err)
-    return out
-
-
-def _prepare_ref_into(
-    tokens: torch.Tensor,
-    seg_starts: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    token_map: torch.Tensor,
-    out: PreparedInputs,
-    err: torch.Tensor | None,
-) -> None:
-    n_rows, n_tok = out.input_ids.numel(), tokens.numel()
     seg = seg_starts.to(torch.int64)
-    if tokens.device.type == "cpu" and prepare_cpu_into(tokens, seg, prefix_lens, token_map, out, err):
-        return
-    total = seg[-1].clamp(max=n_tok)
-    rows = torch.arange(n_rows, device=tokens.device)
-    live = rows < total
-    padded = torch.zeros(n_rows, dtype=tokens.dtype, device=tokens.device)
-    padded[:n_tok] = tokens
-    padded = torch.where(live, padded, torch.zeros_like(padded))
-    out.input_ids.copy_(_resolved(padded, token_map, err))
-    if prefix_lens.numel():
-        req = (torch.searchsorted(seg[1:-1], rows, right=True)).clamp(max=prefix_lens.numel() - 1)
-        pos = prefix_lens.to(torch.int64)[req] + rows - seg[req]
-        out.positions.copy_(torch.where(live, pos, torch.zeros_like(pos)))
-        out.last_rows.copy_((torch.minimum(seg[1:], total) - 1).clamp(min=0))
-    else:
-        out.positions.zero_()
+    total = max(min(int(seg[-1]), tokens.numel()), 0)
+    input_ids = torch.zeros(n_rows, dtype=tokens.dtype, device=tokens.device)
+    input_ids[:total] = resolve_futures_ref(tokens[:total].clone(), token_map, err=err)
+    rows = torch.arange(total, device=tokens.device)
+    # The request of row r: the last q with seg_starts[q] <= r.
+    req = torch.searchsorted(seg[1:-1], rows, right=True)
+    positions = torch.zeros(n_rows, dtype=torch.int64, device=tokens.device)
+    positions[:total] = prefix_lens.to(torch.int64)[req] + rows - seg[req]
+    last_rows = (seg[1:].clamp(max=total) - 1).clamp(min=0)
+    return PreparedInputs(input_ids, positions, last_rows)

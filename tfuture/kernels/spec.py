@@ -15,12 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from tfuture.kernels import cpu
 from tfuture.kernels._common import (
     INT_DTYPES,
+    block_rows,
     cdiv,
     check_err,
     check_same_device,
     check_vector,
+    flag_bad,
+    in_range,
     next_pow2,
     record_bad_,
     use_triton,
@@ -59,14 +63,13 @@ def _spec_prepare_kernel(
     BLOCK_W: tl.constexpr,
     HAS_ERR: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = block_rows(BLOCK_R)
     live = rows < n_reqs
     src = tl.load(last_ptr + rows, mask=live, other=0).to(tl.int64)
     future = live & (src < 0)
     # -(int64 min) wraps to itself and stays < 1, so the most negative value is caught as bad.
     slots = -src
-    ok = future & (slots >= 1) & (slots < n_slots)
+    ok = future & in_range(slots, n_slots)
     # A stored accept_len outside [1, N_TOK] is clamped: the token read stays inside the row.
     acc = tl.load(accept_ptr + slots, mask=ok, other=1).to(tl.int64)
     acc = tl.minimum(tl.maximum(acc, 1), N_TOK)
@@ -90,33 +93,27 @@ def _spec_prepare_kernel(
     tl.store(pos_out_ptr + offs, tl.where(live2, pos, 0), mask=out)
     tl.store(ndraft_out_ptr + rows, tl.where(ok, K, 0).to(tl.int64), mask=rows < n_rows)
     if HAS_ERR:
-        bad = future & ~ok
-        zero = tl.zeros([BLOCK_R], dtype=tl.int64)
-        tl.atomic_add(err_ptr + zero, tl.full([BLOCK_R], 1, tl.int64), mask=bad)
-        tl.atomic_min(err_ptr + 1 + zero, src, mask=bad)
+        flag_bad(err_ptr, future & ~ok, src, BLOCK=BLOCK_R)
+
+
+_FIELD_DIMS = {"tokens": 2, "accept_len": 1, "new_seq_len": 1, "draft_tokens": 2}
 
 
 def _check_spec_args(
     last: torch.Tensor,
     seq_lens: torch.Tensor,
-    tokens: torch.Tensor,
-    accept_len: torch.Tensor,
-    new_seq_len: torch.Tensor,
-    draft_tokens: torch.Tensor,
+    fields: tuple[torch.Tensor, ...],
     n_rows: int,
     out: SpecInputs | None,
 ) -> None:
+    """``fields``: the slot fields ``(tokens, accept_len, new_seq_len, draft_tokens)``."""
     check_vector("last", last)
     check_vector("seq_lens", seq_lens)
     if seq_lens.numel() != last.numel():
         raise ValueError(f"seq_lens must have one entry per request ({last.numel()}), got {seq_lens.numel()}")
-    n_slots = accept_len.shape[0] if accept_len.dim() == 1 else -1
-    for name, t, dim in (
-        ("tokens", tokens, 2),
-        ("accept_len", accept_len, 1),
-        ("new_seq_len", new_seq_len, 1),
-        ("draft_tokens", draft_tokens, 2),
-    ):
+    tokens, accept_len, _, draft_tokens = fields
+    n_slots = accept_len.shape[0] if isinstance(accept_len, torch.Tensor) and accept_len.dim() == 1 else -1
+    for (name, dim), t in zip(_FIELD_DIMS.items(), fields, strict=True):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != dim or t.shape[0] != n_slots or not t.is_contiguous():
@@ -124,9 +121,7 @@ def _check_spec_args(
             raise ValueError(f"{name} must be {want} (one row per slot), got shape {tuple(t.shape)}")
         if t.dtype not in INT_DTYPES:
             raise ValueError(f"{name} must have dtype torch.int32 or torch.int64, got {t.dtype}")
-    for name, t in (("last", last), ("seq_lens", seq_lens), ("tokens", tokens)):
-        check_same_device(name, t, "accept_len", accept_len)
-    for name, t in (("new_seq_len", new_seq_len), ("draft_tokens", draft_tokens)):
+    for name, t in (("last", last), ("seq_lens", seq_lens), *zip(_FIELD_DIMS, fields, strict=True)):
         check_same_device(name, t, "accept_len", accept_len)
     if tokens.shape[1] < 1:
         raise ValueError(f"tokens must hold at least one token per slot, got width {tokens.shape[1]}")
@@ -137,10 +132,12 @@ def _check_spec_args(
     if out is None:
         return
     width = draft_tokens.shape[1] + 1
-    shapes = ((n_rows, width), (n_rows, width), (n_rows,))
-    for name, t, shape in zip(SpecInputs._fields, out, shapes, strict=True):
+    for name, t, shape in zip(
+        SpecInputs._fields, out, ((n_rows, width), (n_rows, width), (n_rows,)), strict=True
+    ):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"out.{name} must be a contiguous int64 tensor")
+            got = f"{t.dtype} with strides {t.stride()}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"out.{name} must be a contiguous int64 tensor, got {got}")
         if tuple(t.shape) != shape:
             raise ValueError(f"out.{name} must have shape {shape}, got {tuple(t.shape)}")
         check_same_device(f"out.{name}", t, "accept_len", accept_len)
@@ -181,9 +178,26 @@ def prepare_spec_inputs(
         (``positions[i, j] = seq_len_i - 1 + j``) and ``n_draft [n_rows]`` int64. No host sync.
     """
     n_rows = last.numel() if n_rows is None else n_rows
-    _check_spec_args(last, seq_lens, tokens, accept_len, new_seq_len, draft_tokens, n_rows, out)
+    _check_spec_args(last, seq_lens, (tokens, accept_len, new_seq_len, draft_tokens), n_rows, out)
     if err is not None:
         check_err(err, accept_len)
+    return launch_prepare_spec(
+        last, seq_lens, tokens, accept_len, new_seq_len, draft_tokens, n_rows, out, err
+    )
+
+
+def launch_prepare_spec(
+    last: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tokens: torch.Tensor,
+    accept_len: torch.Tensor,
+    new_seq_len: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    n_rows: int,
+    out: SpecInputs | None,
+    err: torch.Tensor | None,
+) -> SpecInputs:
+    """:func:`prepare_spec_inputs` without its argument checks (``out=None`` allocates)."""
     k = draft_tokens.shape[1]
     if out is None:
         dev = accept_len.device
@@ -195,7 +209,7 @@ def prepare_spec_inputs(
     if n_rows == 0:
         return out
     if not use_triton(accept_len):
-        _spec_ref_into(last, seq_lens, tokens, accept_len, new_seq_len, draft_tokens, out, err)
+        cpu.prepare_spec(last, seq_lens, (tokens, accept_len, new_seq_len, draft_tokens), out, err)
         return out
     block_w = next_pow2(k + 1)
     block_r = max(1, min(_ROW_CAP, 4096 // block_w, next_pow2(n_rows)))
@@ -223,52 +237,28 @@ def prepare_spec_inputs(
 def prepare_spec_inputs_ref(
     last: torch.Tensor,
     seq_lens: torch.Tensor,
-    tokens: torch.Tensor,
-    accept_len: torch.Tensor,
-    new_seq_len: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    *,
+    *fields: torch.Tensor,
     n_rows: int | None = None,
     err: torch.Tensor | None = None,
 ) -> SpecInputs:
-    """Torch reference of :func:`prepare_spec_inputs`: the unfused sequence, several launches."""
+    """Torch reference of :func:`prepare_spec_inputs`, the tests' oracle: one request at a time."""
+    tokens, accept_len, new_seq_len, draft_tokens = fields
     n_rows = last.numel() if n_rows is None else n_rows
-    _check_spec_args(last, seq_lens, tokens, accept_len, new_seq_len, draft_tokens, n_rows, None)
     k, dev = draft_tokens.shape[1], accept_len.device
-    out = SpecInputs(
-        torch.zeros((n_rows, k + 1), dtype=torch.int64, device=dev),
-        torch.zeros((n_rows, k + 1), dtype=torch.int64, device=dev),
-        torch.zeros(n_rows, dtype=torch.int64, device=dev),
-    )
-    _spec_ref_into(last, seq_lens, tokens, accept_len, new_seq_len, draft_tokens, out, err)
-    return out
-
-
-def _spec_ref_into(
-    last: torch.Tensor,
-    seq_lens: torch.Tensor,
-    tokens: torch.Tensor,
-    accept_len: torch.Tensor,
-    new_seq_len: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    out: SpecInputs,
-    err: torch.Tensor | None,
-) -> None:
-    n, k = last.numel(), draft_tokens.shape[1]
-    src = last.to(torch.int64)
-    future = src < 0
-    slots = -src
-    ok = future & (slots >= 1) & (slots < accept_len.shape[0])
-    safe = torch.where(ok, slots, 0)
-    acc = accept_len.to(torch.int64)[safe].clamp(1, tokens.shape[1])
-    tok = tokens.to(torch.int64)[safe, acc - 1]
-    tok = torch.where(ok, tok, torch.where(future, 0, src))
-    seq = torch.where(ok, new_seq_len.to(torch.int64)[safe], torch.where(future, 1, seq_lens.to(torch.int64)))
-    drafts = torch.where(ok[:, None], draft_tokens.to(torch.int64)[safe], 0)
-    for t in out:
-        t.zero_()
-    out.input_ids[:n] = torch.cat([tok[:, None], drafts], dim=1)
-    out.positions[:n] = (seq - 1).clamp(min=0)[:, None] + torch.arange(k + 1, device=last.device)
-    out.n_draft[:n] = torch.where(ok, k, 0)
-    if err is not None:
-        record_bad_(err, future & ~ok, src)
+    ids = torch.zeros((n_rows, k + 1), dtype=torch.int64, device=dev)
+    positions = torch.zeros((n_rows, k + 1), dtype=torch.int64, device=dev)
+    n_draft = torch.zeros(n_rows, dtype=torch.int64, device=dev)
+    bad = torch.zeros(last.numel(), dtype=torch.bool, device=dev)
+    for i, x in enumerate(last.tolist()):
+        if x >= 0:
+            ids[i, 0], seq = x, int(seq_lens[i])
+        elif 1 <= -x < accept_len.shape[0]:
+            acc = min(max(int(accept_len[-x]), 1), tokens.shape[1])
+            ids[i, 0], seq = tokens[-x, acc - 1], int(new_seq_len[-x])
+            ids[i, 1:], n_draft[i] = draft_tokens[-x], k
+        else:
+            # A placeholder past the map: token 0 at position 0, no drafts, flagged.
+            bad[i], seq = True, 1
+        positions[i] = max(seq - 1, 0) + torch.arange(k + 1, device=dev)
+    record_bad_(err, bad, last)
+    return SpecInputs(ids, positions, n_draft)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from tfuture.kernels import cpu
 from tfuture.kernels._common import (
+    Slots,
     block_for,
+    block_rows,
     cdiv,
     check_err,
     check_same_device,
     check_vector,
+    flag_bad,
+    in_range,
+    load_slots,
     record_bad_,
     use_triton,
 )
@@ -32,29 +37,21 @@ def _store_kernel(
     CONTIGUOUS: tl.constexpr,
     HAS_ERR: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    offs = block_rows(BLOCK)
     mask = offs < n_values
-    if CONTIGUOUS:
-        slots = slot_start + offs
-    else:
-        slots = tl.load(slots_ptr + offs, mask=mask, other=0).to(tl.int64)
-    # Slot 0 is the padding row and never a target; anything outside [1, n_slots) is dropped.
-    ok = mask & (slots >= 1) & (slots < n_slots)
+    slots = load_slots(slots_ptr, offs, mask, slot_start, CONTIGUOUS=CONTIGUOUS, NEGATED=False)
+    ok = mask & in_range(slots, n_slots)
     values = tl.load(values_ptr + offs, mask=mask, other=0)
     if HAS_ERR:
         # A negative token would resolve into a placeholder-like id: store 0 and flag it.
         negative = ok & (values < 0)
+        worst = tl.where(negative, values.to(tl.int64), -slots)
+        flag_bad(err_ptr, (mask & ~ok) | negative, worst, BLOCK=BLOCK)
         values = tl.where(negative, tl.zeros_like(values), values)
-        bad = (mask & ~ok) | negative
-        zero = tl.zeros([BLOCK], dtype=tl.int64)
-        tl.atomic_add(err_ptr + zero, tl.full([BLOCK], 1, tl.int64), mask=bad)
-        worst = tl.where(negative, tl.load(values_ptr + offs, mask=mask, other=0).to(tl.int64), -slots)
-        tl.atomic_min(err_ptr + 1 + zero, worst, mask=bad)
     tl.store(map_ptr + slots, values.to(map_ptr.dtype.element_ty), mask=ok)
 
 
-def _check_store_args(token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor) -> None:
+def _check_store_args(token_map: torch.Tensor, slots: Slots, values: torch.Tensor) -> None:
     check_vector("token_map", token_map)
     check_vector("values", values)
     check_same_device("values", values, "token_map", token_map)
@@ -75,11 +72,7 @@ def _check_store_args(token_map: torch.Tensor, slots: torch.Tensor | range, valu
 
 
 def store_futures(
-    token_map: torch.Tensor,
-    slots: torch.Tensor | range,
-    values: torch.Tensor,
-    *,
-    err: torch.Tensor | None = None,
+    token_map: torch.Tensor, slots: Slots, values: torch.Tensor, *, err: torch.Tensor | None = None
 ) -> None:
     """Scatter ``values`` into ``token_map`` at ``slots`` in one launch on the current stream.
 
@@ -101,14 +94,14 @@ def store_futures(
 
 
 def launch_store(
-    token_map: torch.Tensor, slots: torch.Tensor | range, values: torch.Tensor, err: torch.Tensor | None
+    token_map: torch.Tensor, slots: Slots, values: torch.Tensor, err: torch.Tensor | None
 ) -> None:
     """:func:`store_futures` without its argument checks, for callers that made them already."""
     n = values.numel()
     if n == 0:
         return
     if not use_triton(token_map):
-        store_futures_ref(token_map, slots, values, err=err)
+        cpu.store(token_map, slots, values, err)
         return
     block = block_for(n)
     contiguous = isinstance(slots, range)
@@ -127,50 +120,15 @@ def launch_store(
 
 
 def store_futures_ref(
-    token_map: torch.Tensor,
-    slots: torch.Tensor | range,
-    values: torch.Tensor,
-    *,
-    err: torch.Tensor | None = None,
+    token_map: torch.Tensor, slots: Slots, values: torch.Tensor, *, err: torch.Tensor | None = None
 ) -> None:
-    """Torch reference of :func:`store_futures` (also its CPU path without the interpreter)."""
-    if token_map.device.type == "cpu":
-        _store_host(token_map.numpy(), slots, values.numpy(), err)
-        return
-    if err is not None:
-        negative = values < 0
-        record_bad_(err, negative, values)
-        values = torch.where(negative, torch.zeros_like(values), values)
+    """Torch reference of :func:`store_futures`, the tests' oracle."""
     if isinstance(slots, range):
-        token_map[slots.start : slots.stop] = values.to(token_map.dtype)
-        return
-    idx = slots.to(torch.int64)
-    ok = (idx >= 1) & (idx < token_map.numel())
-    token_map[idx[ok]] = values[ok].to(token_map.dtype)
+        slots = torch.arange(slots.start, slots.stop, device=token_map.device)
+    slots = slots.to(torch.int64)
+    ok = (slots >= 1) & (slots < token_map.numel())
     if err is not None:
-        record_bad_(err, ~ok, -idx)
-
-
-def _store_host(
-    token_map: np.ndarray, slots: torch.Tensor | range, values: np.ndarray, err: torch.Tensor | None
-) -> None:
-    """The CPU path in numpy on the tensors' memory: on the host a check costs no sync."""
-    bad_count, worst = 0, 0
-    if err is not None and (values < 0).any():
-        negative = values < 0
-        bad_count, worst = int(negative.sum()), int(values.min())
-        values = np.where(negative, 0, values)
-    if isinstance(slots, range):
-        token_map[slots.start : slots.stop] = values
-    else:
-        idx = slots.numpy().astype(np.int64, copy=False)
-        ok = (idx >= 1) & (idx < token_map.size)
-        if ok.all():
-            token_map[idx] = values
-        else:
-            token_map[idx[ok]] = values[ok]
-            bad_count += int((~ok).sum())
-            worst = min(worst, int((-idx[~ok]).min()))
-    if err is not None and bad_count:
-        err[0] += bad_count
-        err[1] = min(int(err[1]), worst)
+        negative = ok & (values < 0)
+        record_bad_(err, ~ok | negative, torch.where(negative, values.to(torch.int64), -slots))
+        values = torch.where(negative, 0, values)
+    token_map[slots[ok]] = values[ok].to(token_map.dtype)

@@ -1,4 +1,4 @@
-"""Host-side helpers of :mod:`tfuture.kernels.fields`: word views, strides, argument checks."""
+"""Field layout for :mod:`tfuture.kernels.fields`: word views, row strides and widths, argument checks."""
 
 from __future__ import annotations
 

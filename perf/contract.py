@@ -1,0 +1,119 @@
+"""Judge written results against the performance contract (DESIGN.md section 6).
+
+    python -m perf.contract [RESULTS_DIR]   # default: this machine's results folder
+
+Reads the CSVs and ``summary.json`` the benchmarks wrote, prints one row per target (what is
+asked, the limit, the worst measured value, pass or MISS) and stores the rows in
+``summary.json`` under ``contract``. Benchmarks and plots never judge; this module never
+measures. Device-time targets need GPU results. The host cost per kernel call is judged on
+GPU results only: on CPU the tfuture call runs its whole host path where torch runs its CPU
+kernel, so that row is information.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+# (what is asked, op, limit, where the values are): "<plot>: <line> / <line>" is a ratio of two
+# lines of <plot>.csv; "a.b.c" is a path into summary.json. Every value must meet the limit.
+TARGETS: list[tuple[str, str, float, str]] = [
+    ("resolve device: tfuture / empty launch", "<=", 1.15, "resolve_device_time: tfuture / empty_launch"),
+    ("resolve device: eager torch / tfuture", ">=", 3.5, "resolve_device_time: torch / tfuture"),
+    ("resolve device: torch.compile / tfuture", ">", 1.0, "resolve_device_time: torch_compile / tfuture"),
+    ("prepare device: unfused / fused", ">=", 4.0, "prepare_device_time: torch decode / tfuture decode"),
+    ("prepare device: unfused / fused, mixed", ">=", 4, "prepare_device_time: torch mixed / tfuture mixed"),
+    ("resolve host per call: tfuture / torch", "<=", 1.0, "resolve_host_cost: tfuture / torch"),
+    ("store host per call: tfuture / index_put", "<=", 1.0, "store_host_cost: tfuture_slots / torch_index"),
+    ("prepare host per call: fused / unfused", "<=", 1.0, "prepare_host_cost: tfuture decode / torch decode"),
+    ("fields host per call: tfuture / torch", "<=", 1.0, "fields_host_cost: tfuture gather / torch gather"),
+    ("host cycle: tfuture / seed ring", "<=", 1.0, "host_cycle.tfuture_over_seed_ring"),
+    ("host cycle: tfuture / pool-indexed buffer", "<=", 1.5, "host_cycle.tfuture_over_pool_indexed"),
+]
+for _backend in ("worker", "inline", "auto"):
+    for _mode in ("sync", "overlap"):
+        _line = f"runtime_{_mode}_{_backend}"
+        _what = f"CPU per step: {_line} / hand_{_mode}"
+        TARGETS.append((_what, "<=", 1.5, f"runtime_overhead.cpu_over_hand.{_line}"))
+for _t, _limit in ((1, 1.5), (4, 1.15), (10, 1.08)):
+    for _bs in (16, 64):
+        _path = f"overlap.step_over_nominal.overlap_batch{_bs}.{_t}"
+        _what = f"overlap step / nominal max(T_cpu, T_dev), {_t} ms, batch {_bs}"
+        TARGETS.append((_what, "<=", _limit, _path))
+TARGETS.append(("overlap device idle %, T_dev 4 ms, T_cpu 2 ms", "<", 3.0, "overlap.idle_pct_t_dev4_t_cpu2"))
+
+
+def column(folder: str, plot: str, line: str) -> np.ndarray | None:
+    """Line ``line`` of ``<plot>.csv`` (perf_report names the column ``line (ylabel)``)."""
+    try:
+        with open(os.path.join(folder, f"{plot}.csv")) as f:
+            rows = list(csv.DictReader(f))
+    except OSError:
+        return None
+    keys = [k for k in (rows[0] if rows else {}) if k == line or k.startswith(f"{line} (")]
+    return np.array([float(r[keys[0]] or "nan") for r in rows]) if keys else None
+
+
+def values(folder: str, summary: dict[str, Any], where: str) -> list[float]:
+    """The measured values ``where`` names (empty if they were not written)."""
+    if ": " in where:
+        plot, lines = where.split(": ", 1)
+        num, den = (column(folder, plot, line) for line in lines.split(" / "))
+        return [] if num is None or den is None else [float(v) for v in num / den]
+    node: Any = summary
+    for key in where.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    node = list(node.values()) if isinstance(node, dict) else node
+    node = [node] if isinstance(node, int | float) else node or []
+    return [float("nan") if v is None else float(v) for v in node]
+
+
+def judge(folder: str, summary: dict[str, Any], on_gpu: bool, target: tuple[str, str, float, str]) -> dict:
+    what, op, limit, where = target
+    got = values(folder, summary, where)
+    finite = [v for v in got if np.isfinite(v)]
+    row: dict[str, Any] = {"what": what, "limit": f"{op} {limit:g}", "measured": None, "source": where}
+    if not finite:
+        needs_gpu = not on_gpu and ("_device_time" in where or where.endswith("_auto"))
+        return row | {"status": "needs GPU" if needs_gpu else "no data"}
+    worst = max(finite) if op in ("<=", "<") else min(finite)
+    ok = {"<=": worst <= limit, "<": worst < limit, ">=": worst >= limit, ">": worst > limit}[op]
+    status = "pass" if ok else "MISS"
+    if not on_gpu and "_host_cost" in where:
+        status = f"info ({status.lower()} on CPU paths)"
+    return row | {"measured": round(worst, 3), "points": [round(v, 3) for v in got], "status": status}
+
+
+def main(folder: str | None = None) -> list[dict[str, Any]]:
+    """Judge the results in ``folder``, print the table, store it in ``summary.json``."""
+    if folder is None:
+        from perf.harness import results_dir
+
+        folder = results_dir()
+    path = os.path.join(folder, "summary.json")
+    summary: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    for name, data in ((path, summary), (os.path.join(folder, "meta.json"), meta)):
+        if os.path.exists(name):
+            with open(name) as f:
+                data.update(json.load(f))
+    on_gpu = meta.get("device", "cpu") != "cpu"
+    rows = [judge(folder, summary, on_gpu, t) for t in TARGETS]
+    width = max(len(r["what"]) for r in rows)
+    print(f"\ncontract (DESIGN.md section 6), results in {folder}:")
+    print(f"{'target':{width}}  {'limit':>7}  {'worst':>8}  status")
+    for r in rows:
+        measured = "-" if r["measured"] is None else f"{r['measured']:g}"
+        print(f"{r['what']:{width}}  {r['limit']:>7}  {measured:>8}  {r['status']}")
+    with open(path, "w") as f:
+        f.write(json.dumps(summary | {"contract": rows}, indent=2) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
