@@ -10,7 +10,6 @@ import torch
 
 from tfuture.slots import FutureIndices
 
-
 _INT64_MAX = np.iinfo(np.int64).max
 
 

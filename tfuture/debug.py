@@ -49,7 +49,9 @@ class SlotStates:
     def on_store(self, slots: np.ndarray, tokens: torch.Tensor) -> None:
         negative = tokens[tokens < 0]
         if negative.numel():
-            raise FutureError(f"debug: {negative.numel()} negative token(s) to store: {negative[:8].tolist()}")
+            raise FutureError(
+                f"debug: {negative.numel()} negative token(s) to store: {negative[:8].tolist()}"
+            )
         idx = self._dev(slots)
         st = self.state[idx]
         bad = st != ALLOCATED
@@ -63,7 +65,9 @@ class SlotStates:
         landed = self.token_map[idx] == tokens.to(self.token_map.dtype)
         if not bool(landed.all()):
             miss = idx[~landed]
-            raise FutureError(f"debug: store did not land in slot(s) {miss[:8].tolist()} ({miss.numel()} missed)")
+            raise FutureError(
+                f"debug: store did not land in slot(s) {miss[:8].tolist()} ({miss.numel()} missed)"
+            )
 
     def before_read(self, ids: torch.Tensor) -> None:
         idx = -ids[ids < 0].to(torch.int64)

@@ -12,8 +12,8 @@ import argparse
 import numpy as np
 import torch
 
-from tfuture.testing import RequestSpec, ToyModel, run_workload
 from tfuture.stats import RunStats
+from tfuture.testing import RequestSpec, ToyModel, run_workload
 
 
 def decode_workload(batch: int, steps: int) -> list[RequestSpec]:

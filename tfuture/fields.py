@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from tfuture.futures import FutureMap
-from tfuture.slots import FutureIndices
 from tfuture.kernels.fields import (
     as_words,
     gather_fields,
@@ -29,6 +28,7 @@ from tfuture.kernels.fields import (
     launch_store_fields,
     row_stride,
 )
+from tfuture.slots import FutureIndices
 
 Shape = tuple[int, ...]
 

@@ -145,7 +145,9 @@ class FutureMap(SlotPool):
         if states is not None:
             self._check_ids(tokens)  # before the debug read; otherwise the launcher checks
             states.before_read(tokens)
-        res = prepare_inputs(tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err)
+        res = prepare_inputs(
+            tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err
+        )
         if states is not None:
             states.after_read(res.input_ids)
         return res

@@ -93,8 +93,11 @@ class OverlapRuntime:
     def model(self) -> Any:
         return getattr(self.kind, "model", None)
 
-    def run(self, scheduler: Scheduler, max_steps: int | None = None) -> RunStats:
+    def run(self, scheduler: Scheduler | Any, max_steps: int | None = None) -> RunStats:
         """Run until ``scheduler.schedule()`` returns ``None`` with nothing in flight.
+
+        ``scheduler``: a :class:`tfuture.batch.Scheduler` for token steps, or the scheduler
+        protocol of the step kind (:class:`tfuture.speculative.SpecScheduler`).
 
         An exception anywhere (forward, sample, a scheduler hook) stops the loop: the stream is
         drained and stopped, every slot the runtime holds is released, and the exception
@@ -111,7 +114,10 @@ class OverlapRuntime:
             if self.faults is not None:
                 stream, scheduler = self.faults.wrap_stream(stream), self.faults.wrap_scheduler(scheduler)
             self._stream, self._step, self._host_spans = stream, 0, []
-            self.fmap.device_exec = lambda fn: stream.submit("debug", -1, fn)  # type: ignore[union-attr]
+            # Markers belong to the stream that recorded them; the last run's stream is drained.
+            self._in_ring.reset()
+            self._out_ring.reset()
+            self.fmap.device_exec = lambda fn: stream.submit("debug", -1, fn)
             self._loop(scheduler, max_steps, stats)
             self.fmap.release_live(self._deferred)
             stream.close()

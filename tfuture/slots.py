@@ -317,7 +317,7 @@ class FutureIndices:
         pool.retain(slots, dups is False)
         gens = None
         if all(h._gens is not None for h in handles):
-            gens = np.concatenate([h._gens for h in handles])  # type: ignore[misc]
+            gens = np.concatenate([h._gens for h in handles])
         return cls(pool, slots, -1, int(slots.size), dups, gens)
 
     def has_duplicates(self) -> bool:

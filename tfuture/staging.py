@@ -34,6 +34,11 @@ class StagingRing:
         self._bufs = [Staging(torch.zeros(64, dtype=torch.int64, pin_memory=pin)) for _ in range(size)]
         self._next = 0
 
+    def reset(self) -> None:
+        """Forget every marker: a new stream starts, and the old one was drained."""
+        for buf in self._bufs:
+            buf.marker = None
+
     def acquire(self, n: int, stream: ForwardStream) -> Staging:
         """A buffer of at least ``n`` elements whose previous copy has completed."""
         buf = self._bufs[self._next]

@@ -216,6 +216,7 @@ def _check_mask(mask: object, n: int) -> torch.Tensor:
     t = torch.as_tensor(mask)
     if t.dim() != 2 or t.shape[0] != n or t.dtype != torch.bool:
         raise ValueError(
-            f"build_mask must return a bool [n_sample={n}, vocab] mask, got {t.dtype} of shape {tuple(t.shape)}"
+            f"build_mask must return a bool [n_sample={n}, vocab] mask, "
+            f"got {t.dtype} of shape {tuple(t.shape)}"
         )
     return t

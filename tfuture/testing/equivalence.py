@@ -11,10 +11,10 @@ import torch
 from tfuture.batch import Model
 from tfuture.futures import FutureMap
 from tfuture.runtime import OverlapRuntime
+from tfuture.stats import RunStats
 from tfuture.streams import Delay
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec
 from tfuture.testing.toy import ToyGrammar
-from tfuture.stats import RunStats
 
 
 @dataclass(slots=True)
