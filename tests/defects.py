@@ -1,8 +1,8 @@
 """Planted defects for mutation tests, applied from the test side by patching (never in tfuture/).
 
-Each name reproduces one known bug class of overlap schedulers (DESIGN.md section 2), so a
-test can show that debug mode or the sync-vs-overlap equivalence check catches it, and that
-the same scenario passes without the patch.
+Each name reproduces one known bug class of overlap schedulers (README.md, "Fault injection and
+the soak"), so a test can show that debug mode or the sync-vs-overlap equivalence check catches
+it, and that the same scenario passes without the patch (``tests/reliability/test_defects.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def _ring_without_wait(ring_name: str, real: Callable[..., Staging]) -> Callable
         buf = self._bufs[0]
         if buf.data.numel() < n:
             buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
+            buf.array = buf.data.numpy()
         return buf
 
     return acquire

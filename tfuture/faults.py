@@ -25,7 +25,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,13 +108,19 @@ class FaultyStream(ForwardStream):
         self.inner, self.plan = inner, plan
 
     def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
+        self.submit_ops(step, ((name, fn),))
+
+    def submit_ops(self, step: int, ops: Sequence[tuple[str, Callable[[], object]]]) -> None:
+        self.inner.submit_ops(step, [(name, self._checked(name, step, fn)) for name, fn in ops])
+
+    def _checked(self, name: str, step: int, fn: Callable[[], object]) -> Callable[[], None]:
         plan = self.plan
 
         def checked() -> None:
             plan.check(name, step)
             fn()
 
-        self.inner.submit(name, step, checked)
+        return checked
 
     def record(self) -> Marker:
         return self.inner.record()

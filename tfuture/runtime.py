@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from tfuture.batch import Model, Scheduler
@@ -27,7 +26,7 @@ from tfuture.futures import FutureIndices, FutureMap
 from tfuture.slots import as_count
 from tfuture.staging import StagingRing
 from tfuture.stats import RunStats
-from tfuture.steps import InFlight, StepKind, TokenStep
+from tfuture.steps import InFlight, Op, StepKind, TokenStep
 from tfuture.streams import BACKENDS, Delay, ForwardStream, Span, drain_and_close, make_stream
 
 __all__ = ["OverlapRuntime"]
@@ -193,12 +192,12 @@ class OverlapRuntime:
             raise
         batch.out, batch.step = out, self._step
         # One host buffer and one H2D copy for all of the step's index data.
-        host = staging.data.numpy()
-        cut = 0
+        host, cut, split = staging.array, 0, []
         for part, size in zip(plan.inputs, sizes, strict=True):
             host[cut : cut + size] = part
             cut += size
-        split = np.cumsum(sizes[:-1]).tolist()
+            split.append(cut)
+        split.pop()
         rec = InFlight(self._step, batch, out, staging, plan.state)
         self._step += 1
         self._inflight.append(rec)
@@ -209,38 +208,48 @@ class OverlapRuntime:
             dev_in = data.to(dev, non_blocking=True, copy=True)
             kind.prepare(rec, torch.tensor_split(dev_in, split))
 
-        stream.submit("prepare", rec.step, prepare)
+        delayed = kind.delayed(batch)
+        ops = [("prepare", prepare), *kind.forward_ops(rec)]
+        if not delayed:
+            ops += self._sample_ops(rec, None)
+        # The whole step (or its head, when delayed) goes to the stream as one unit of work.
+        stream.submit_ops(rec.step, ops)
         staging.marker = stream.record()
-        for name, fn in kind.forward_ops(rec):
-            stream.submit(name, rec.step, fn)
+        if not delayed:
+            assert rec.staging is not None
+            rec.copy_done = rec.staging.marker = staging.marker
         # The prepare that reads these placeholders is enqueued: stream order protects them.
         fmap.release_live(consumes)
         fmap.release_live(self._deferred)
-        if not kind.delayed(batch):
-            self._launch_sample(rec, None)
         if self.trace:
             self._host_spans.append(Span("launch", rec.step, start, time.perf_counter()))
         return rec
 
     def _launch_sample(self, rec: InFlight, mask: object) -> None:
-        """Enqueue the kind's sample ops, then the D2H copy of results and error flag, and
-        ``copy_done``."""
-        stream, fmap = self._stream, self.fmap
+        """Enqueue a delayed step's sample ops, its copy, and ``copy_done``."""
+        stream = self._stream
         assert stream is not None
-        ops = self.kind.sample_ops(rec, mask)
-        n = rec.n_result = self.kind.n_result(rec)
+        ops = self._sample_ops(rec, mask)
+        stream.submit_ops(rec.step, ops)
+        staging = rec.staging
+        assert staging is not None
+        rec.copy_done = staging.marker = stream.record()
+
+    def _sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
+        """The kind's sample ops, then the D2H copy of results and error flag into a staging
+        buffer of the output ring (acquired here: it waits until its last copy ran)."""
+        stream, fmap, kind = self._stream, self.fmap, self.kind
+        assert stream is not None
+        ops = kind.sample_ops(rec, mask)
+        n = rec.n_result = kind.n_result(rec)
         staging = rec.staging = self._out_ring.acquire(n + 2, stream)
-        for name, fn in ops:
-            stream.submit(name, rec.step, fn)
-        kind = self.kind
 
         def copy() -> None:
             kind.copy_result(rec, staging.data[:n])
             staging.data[n : n + 2].copy_(fmap.err, non_blocking=True)
             fmap.err.zero_()
 
-        stream.submit("copy", rec.step, copy)
-        rec.copy_done = staging.marker = stream.record()
+        return [*ops, ("copy", copy)]
 
     def _finish(self, rec: InFlight, scheduler: Scheduler, stats: RunStats) -> None:
         """Wait for ``rec``'s copy, check the error flag, hand the result to the scheduler."""
@@ -248,7 +257,7 @@ class OverlapRuntime:
         assert stream is not None and rec.copy_done is not None and rec.staging is not None
         marker, n = rec.copy_done, rec.n_result
         self._host("wait", rec.step, lambda: stream.wait(marker))
-        words = rec.staging.data[: n + 2].numpy().copy()
+        words = rec.staging.array[: n + 2].copy()
         raise_if_flagged(words[n:])
         result = self.kind.result(rec, words[:n])
         self._inflight.remove(rec)

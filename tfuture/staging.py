@@ -8,8 +8,9 @@ again only after the stream passed the marker recorded after the copy that last 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tfuture.streams import ForwardStream, Marker
@@ -17,10 +18,15 @@ from tfuture.streams import ForwardStream, Marker
 
 @dataclass(slots=True, eq=False)
 class Staging:
-    """One host buffer ``data`` (int64) and the marker of the copy that last used it."""
+    """One host buffer ``data`` (int64), its numpy view ``array`` (same memory), and the marker
+    of the copy that last used it."""
 
     data: torch.Tensor
     marker: Marker | None = None
+    array: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.array = self.data.numpy()
 
 
 class StagingRing:
@@ -47,4 +53,5 @@ class StagingRing:
             stream.wait(buf.marker)
         if buf.data.numel() < n:
             buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
+            buf.array = buf.data.numpy()
         return buf

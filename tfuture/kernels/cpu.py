@@ -32,16 +32,18 @@ def _flag(err: Err, bad: np.ndarray, values: np.ndarray) -> None:
 
 
 def _resolve_np(ids: np.ndarray, token_map: np.ndarray, err: Err) -> None:
-    where = np.flatnonzero(ids < 0)
-    if not where.size:
+    neg = ids < 0
+    if not neg.any():
         return
-    # Negate in int64: the int32 minimum then becomes 2**31 (out of range), and the int64
-    # minimum wraps to itself (negative, out of range): both are bad, never read.
-    slots = -ids[where].astype(np.int64)
+    # -id in the ids' dtype: the dtype minimum wraps to itself and stays negative, so it fails
+    # the bounds check below like any slot past the map (never read).
+    slots = -ids[neg]
+    if slots.min() >= 1 and slots.max() < token_map.size:
+        ids[neg] = token_map[slots]
+        return
+    where = np.flatnonzero(neg)
+    slots = slots.astype(np.int64)
     ok = (slots >= 1) & (slots < token_map.size)
-    if ok.all():
-        ids[where] = token_map[slots]
-        return
     ids[where[ok]] = token_map[slots[ok]]
     if err is not None:
         _flag(err, ~ok, ids[where])
