@@ -51,7 +51,7 @@ class ZeroModel:
         self.logits = torch.zeros(n, 2, device=DEVICE)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.logits[: batch.last_rows.numel()]
+        return self.logits[: batch.sample_rows.numel()]
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
         return logits.argmax(dim=1)
@@ -80,7 +80,9 @@ class HandLoop:
             )
             dev_in = torch.from_numpy(packed).to(DEVICE, non_blocking=True, copy=True)
             ids_d, seg, prefix, rids, lens, sample_reqs = torch.tensor_split(dev_in, self.split)
-            fb = ForwardBatch(step, *fmap.prepare_inputs(ids_d, seg, prefix), rids, lens, sample_reqs)
+            prepared = fmap.prepare_inputs(ids_d, seg, prefix)
+            rows = prepared.last_rows.index_select(0, sample_reqs)
+            fb = ForwardBatch(step, *prepared, rids, lens, sample_reqs, rows)
             sampled = self.model.sample(self.model.forward(fb), fb, None)
             fmap.store(out, sampled)
             if kept is not None:

@@ -11,6 +11,7 @@ import torch
 from tfuture.slots import FutureIndices
 
 _INT64_MAX = np.iinfo(np.int64).max
+_NO_IDS = np.empty(0, dtype=np.int64)
 
 
 def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
@@ -50,6 +51,8 @@ class Batch:
         consumes: handles whose placeholders appear in ``tokens``. The runtime takes them over
             and releases them once the step's resolve is enqueued.
         delayed: sample only after the previous step's results were processed (a grammar mask).
+        ended: request ids that appear in no step from this one on (finished or aborted); the
+            model's optional ``release`` hears them on the forward stream before this step.
         tag: anything the scheduler wants back in the :class:`StepResult`.
         out: set by the runtime at launch: the handle of this step's sampled tokens.
         step: set by the runtime at launch: the step number in the run.
@@ -65,9 +68,11 @@ class Batch:
     tag: Any = None
     out: FutureIndices | None = None
     step: int = -1
+    ended: np.ndarray = field(default_factory=lambda: _NO_IDS)
 
     def __post_init__(self) -> None:
         check_consumes("Batch", self.consumes)
+        self.ended = _int_vector("ended", self.ended)
         self.tokens = _int_vector("tokens", self.tokens)
         self.seg_lens = _int_vector("seg_lens", self.seg_lens)
         n = self.seg_lens.size
@@ -87,12 +92,35 @@ class Batch:
 
 
 @dataclass(slots=True, frozen=True)
+class HostMeta:
+    """Host (numpy) mirrors of a step's small metadata, for decisions a model makes on the host.
+
+    On CUDA ``forward`` runs on the host thread: a ``.tolist()`` or ``int()`` of a device value
+    there waits for the device and ends the overlap. Read these instead; never read device
+    values on the host. ``seg_lens``, ``prefix_lens``, ``req_ids`` ``[n_reqs]`` and
+    ``sample_reqs [n_sample]`` int64 (do not modify them), ``n_tokens`` the real token count,
+    ``max_seg_len`` the longest segment (0 without requests).
+    """
+
+    seg_lens: np.ndarray
+    prefix_lens: np.ndarray
+    req_ids: np.ndarray
+    sample_reqs: np.ndarray
+    n_tokens: int
+    max_seg_len: int
+
+
+@dataclass(slots=True, frozen=True)
 class ForwardBatch:
     """A step's device inputs, built on the forward stream by the fused input preparation.
 
-    ``input_ids [n_tokens]``, ``positions [n_tokens]`` int64, ``last_rows [n_reqs]`` int64 (the
-    row of each request's last token), ``req_ids`` and ``seq_lens`` (prefix + new) ``[n_reqs]``
-    int64, ``sample_reqs [n_sample]`` int64 (requests that sample, ascending).
+    ``input_ids [n_rows]``, ``positions [n_rows]`` int64 (``n_rows >= n_tokens``: padded
+    steps add zero rows past the real tokens), ``last_rows [n_reqs]`` int64 (the row of each
+    request's last token), ``req_ids`` and ``seq_lens`` (prefix + new) ``[n_reqs]`` int64,
+    ``sample_reqs [n_sample]`` int64 (requests that sample, ascending), ``sample_rows
+    [n_sample]`` int64 (their last rows: the only rows whose logits the sampler needs),
+    ``seg_starts [n_reqs + 1]`` int64 (request ``q`` owns rows ``seg_starts[q]:seg_starts[q+1]``)
+    and ``host``, the :class:`HostMeta` mirrors.
     """
 
     step: int
@@ -102,6 +130,9 @@ class ForwardBatch:
     req_ids: torch.Tensor
     seq_lens: torch.Tensor
     sample_reqs: torch.Tensor
+    sample_rows: torch.Tensor
+    seg_starts: torch.Tensor | None = None
+    host: HostMeta | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -114,10 +145,16 @@ class StepResult:
 
 
 class Model(Protocol):
-    """What the runtime drives. Both methods run on the forward stream."""
+    """What the runtime drives. Both methods run on the forward stream.
+
+    Optional, called when present: ``release(req_ids: np.ndarray)`` on the forward stream after
+    the last forward of those requests (the extra step included), when the scheduler says they
+    ended (:attr:`Batch.ended`), so the model can free their KV cache; ``close()`` on the host
+    once a run ends or fails, after the stream was drained: free what is left.
+    """
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits (or anything ``sample`` takes) for the step; one row per request."""
+        """Logits (or anything ``sample`` takes) for ``batch.sample_rows`` only: ``[n_sample, ...]``."""
         ...
 
     def sample(self, logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:

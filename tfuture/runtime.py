@@ -26,8 +26,9 @@ from tfuture.futures import FutureIndices, FutureMap
 from tfuture.slots import as_count
 from tfuture.staging import StagingRing
 from tfuture.stats import RunStats
-from tfuture.steps import InFlight, Op, StepKind, TokenStep
+from tfuture.steps import InFlight, Op, StepKind
 from tfuture.streams import BACKENDS, Delay, ForwardStream, Span, drain_and_close, make_stream
+from tfuture.token_step import Buckets, TokenStep
 
 __all__ = ["OverlapRuntime"]
 
@@ -42,7 +43,7 @@ class OverlapRuntime:
     """Drive a model through a scheduler's steps, overlapped or in sync.
 
     Args:
-        model: a :class:`tfuture.batch.Model` (run as :class:`tfuture.steps.TokenStep`), or a
+        model: a :class:`tfuture.batch.Model` (run as :class:`tfuture.token_step.TokenStep`), or a
             :class:`tfuture.steps.StepKind` such as :class:`tfuture.speculative.SpecStep`.
         fmap: the future map; its device picks the backend (CUDA streams or a CPU worker).
         overlap: False runs the same steps one at a time (sync mode) for A/B comparison.
@@ -52,6 +53,8 @@ class OverlapRuntime:
             used when ``delay`` is not given.
         trace: record per-op spans for bubble accounting and the Chrome trace.
         n_staging: host staging buffers per direction (at least 3: two steps in flight).
+        buckets: pad every token step to these shapes (:class:`tfuture.token_step.Buckets`),
+            so a model can capture one CUDA graph per bucket; for a plain model only.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class OverlapRuntime:
         faults: FaultPlan | None = None,
         trace: bool = True,
         n_staging: int = 4,
+        buckets: Buckets | None = None,
     ) -> None:
         if not isinstance(fmap, FutureMap):
             raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
@@ -75,7 +79,9 @@ class OverlapRuntime:
             raise ValueError(f"stream must be one of {BACKENDS}, got {stream!r}")
         if faults is not None and not isinstance(faults, FaultPlan):
             raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
-        self.kind: StepKind = model if isinstance(model, StepKind) else TokenStep(model)
+        if isinstance(model, StepKind) and buckets is not None:
+            raise ValueError("buckets pads token steps: pass them to a plain model, not to a step kind")
+        self.kind: StepKind = model if isinstance(model, StepKind) else TokenStep(model, buckets)
         self.kind.bind(fmap)
         self.fmap, self.overlap, self.faults, self.trace, self.backend = fmap, overlap, faults, trace, stream
         self.delay = delay if delay is not None or faults is None else faults.delay
@@ -120,6 +126,7 @@ class OverlapRuntime:
             self._loop(scheduler, max_steps, stats)
             self.fmap.release_live(self._deferred)
             stream.close()
+            self.kind.close()
         except BaseException:
             self._abort()
             raise
@@ -265,11 +272,19 @@ class OverlapRuntime:
         try:
             # The handle lives through process(), so the scheduler can still filter it.
             self._host("process", rec.step, lambda: scheduler.process(result))
-        finally:
-            if self.kind.keeps_out and self._step <= rec.step + 1:
-                self._deferred.append(rec.out)  # a later step may still name these slots
-            else:
+        except BaseException:
+            if not rec.out.released:
                 self.fmap.release(rec.out)
+            raise
+        if rec.out.released:
+            raise ValueError(
+                f"scheduler.process released batch.out of step {rec.step}: the runtime owns batch.out "
+                "and releases it after process (filter it to keep slots)"
+            )
+        if self.kind.keeps_out and self._step <= rec.step + 1:
+            self._deferred.append(rec.out)  # a later step may still name these slots
+        else:
+            self.fmap.release(rec.out)
 
     def _abort(self) -> None:
         """Drain and stop the stream, then release every handle the runtime still holds."""
@@ -280,6 +295,10 @@ class OverlapRuntime:
         self.fmap.release_live(held + self._deferred)
         self._inflight = []
         self._deferred = []
+        try:
+            self.kind.close()
+        except Exception:
+            pass  # the first failure is the one that re-raises
 
 
 def _take_consumes(batch: Any, fmap: FutureMap) -> list[FutureIndices]:

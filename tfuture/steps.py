@@ -14,8 +14,8 @@ sample, tracing, faults and the error path. A :class:`StepKind` says what is spe
 * :meth:`StepKind.copy_result` (stream, op ``copy``) and :meth:`StepKind.result` (host): what the
   host reads back and what the scheduler's ``process`` gets.
 
-:class:`TokenStep` is the plain step (prepare, forward, sample, store, copy);
-:class:`tfuture.speculative.SpecStep` the speculative one.
+:class:`tfuture.token_step.TokenStep` is the plain step (prepare, forward, sample, store,
+copy); :class:`tfuture.speculative.SpecStep` the speculative one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tfuture.batch import Batch, ForwardBatch, Model, StepResult
 from tfuture.futures import FutureMap
 from tfuture.slots import FutureIndices
 from tfuture.staging import Staging
@@ -110,113 +109,5 @@ class StepKind(ABC):
     def n_tokens(self, result: Any) -> int:
         """Tokens the step produced (for tokens/s)."""
 
-
-@dataclass(slots=True, eq=False)
-class TokenState:
-    sample_reqs: np.ndarray
-    fwd: ForwardBatch | None = None
-    logits: torch.Tensor | None = None
-    sampled: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-
-
-class TokenStep(StepKind):
-    """The plain step of a :class:`tfuture.batch.Model`: prepare (the fused resolve), forward,
-    sample, store into one slot per sampling request, copy the tokens to the host."""
-
-    def __init__(self, model: Model) -> None:
-        self.model = model
-        self.fmap: FutureMap | None = None
-
-    def bind(self, fmap: FutureMap) -> None:
-        self.fmap = fmap
-
-    def plan(self, batch: Any) -> StepPlan:
-        if not isinstance(batch, Batch):
-            raise TypeError(f"schedule() must return a Batch or None, got {type(batch).__name__}")
-        sample_reqs = np.flatnonzero(batch.sample)
-        seg_starts = np.zeros(batch.n_reqs + 1, dtype=np.int64)
-        np.cumsum(batch.seg_lens, out=seg_starts[1:])
-        inputs = (
-            batch.tokens,
-            seg_starts,
-            batch.prefix_lens,
-            batch.req_ids,
-            batch.prefix_lens + batch.seg_lens,
-            sample_reqs,
-        )
-        return StepPlan(int(sample_reqs.size), inputs, TokenState(sample_reqs))
-
-    def delayed(self, batch: Batch) -> bool:
-        return batch.delayed
-
-    def prepare(self, rec: InFlight, inputs: Sequence[torch.Tensor]) -> None:
-        assert self.fmap is not None
-        tokens, seg, prefix, rids, lens, sreq = inputs
-        prepared = self.fmap.prepare_inputs(tokens, seg, prefix)
-        rec.state.fwd = ForwardBatch(rec.step, *prepared, rids, lens, sreq)
-
-    def forward_ops(self, rec: InFlight) -> list[Op]:
-        state, model = rec.state, self.model
-
-        def forward() -> None:
-            logits = model.forward(state.fwd)
-            if logits is None:
-                raise ValueError("forward must return logits (or what sample takes), got None")
-            state.logits = logits
-
-        return [("forward", forward)]
-
-    def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
-        fmap, model, state, n = self.fmap, self.model, rec.state, len(rec.out)
-        assert fmap is not None
-        dev = fmap.device
-        mask_ready = None
-        if mask is not None:
-            state.mask = _check_mask(mask, n)
-            if dev.type == "cuda":
-                if state.mask.is_cuda:
-                    # Built on the caller's stream: the forward stream must wait for it.
-                    mask_ready = torch.cuda.Event()
-                    mask_ready.record()
-                else:
-                    # Pinned (torch's caching host allocator keeps it until the copy ran): a truly
-                    # async H2D copy, where pageable memory may make the host wait.
-                    state.mask = state.mask.pin_memory()
-
-        def sample() -> None:
-            if mask_ready is not None:
-                torch.cuda.current_stream(dev).wait_event(mask_ready)
-            mask_dev = None if state.mask is None else state.mask.to(dev, non_blocking=True)
-            tokens = model.sample(state.logits, state.fwd, mask_dev)
-            if not isinstance(tokens, torch.Tensor) or tokens.shape != (n,):
-                got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-                raise ValueError(f"sample must return [{n}] token ids, got {got}")
-            state.sampled = tokens.contiguous()
-
-        def store() -> None:
-            fmap.store(rec.out, state.sampled)
-
-        return [("sample", sample), ("store", store)]
-
-    def n_result(self, rec: InFlight) -> int:
-        return len(rec.out)
-
-    def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
-        dst.copy_(rec.state.sampled, non_blocking=True)
-
-    def result(self, rec: InFlight, words: np.ndarray) -> StepResult:
-        return StepResult(rec.step, rec.batch, words)
-
-    def n_tokens(self, result: StepResult) -> int:
-        return int(result.tokens.size)
-
-
-def _check_mask(mask: object, n: int) -> torch.Tensor:
-    t = torch.as_tensor(mask)
-    if t.dim() != 2 or t.shape[0] != n or t.dtype != torch.bool:
-        raise ValueError(
-            f"build_mask must return a bool [n_sample={n}, vocab] mask, "
-            f"got {t.dtype} of shape {tuple(t.shape)}"
-        )
-    return t
+    def close(self) -> None:  # noqa: B027 - most kinds hold nothing past a run
+        """On the host, once a run ended or failed and the stream was drained."""

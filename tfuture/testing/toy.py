@@ -32,8 +32,8 @@ def device_work(seconds: float, device: torch.device, matmul: int = 0) -> None:
 
 
 def greedy_sample(logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
-    """Argmax over each sampling request's logits row, after an optional bool allow-mask."""
-    rows = logits.index_select(0, batch.sample_reqs)
+    """Argmax over each sampling row's logits (``[n_sample, vocab]``), after an optional bool mask."""
+    rows = logits
     if mask is not None:
         rows = rows.masked_fill(~mask, float("-inf"))
     return rows.argmax(dim=-1)
@@ -60,9 +60,11 @@ class ToyModel:
             raise RuntimeError(f"ToyModel: planted failure in forward of step {batch.step}")
         dev = batch.input_ids.device
         device_work(self.work_s, dev, self.matmul)
-        tok = batch.input_ids.index_select(0, batch.last_rows).to(torch.int64)
-        pos = batch.positions.index_select(0, batch.last_rows)
-        h = _mix(_mix(tok % _P + 7) + pos * 31 + batch.req_ids * 131)
+        # Logits for the sampling rows only: each sampling request's last token.
+        tok = batch.input_ids.index_select(0, batch.sample_rows).to(torch.int64)
+        pos = batch.positions.index_select(0, batch.sample_rows)
+        rid = batch.req_ids.index_select(0, batch.sample_reqs)
+        h = _mix(_mix(tok % _P + 7) + pos * 31 + rid * 131)
         v = torch.arange(self.vocab, device=dev, dtype=torch.int64)
         scores = _mix(_mix(h[:, None] + v[None, :] * 2_654_435) % 65_521 + v[None, :])
         # Below 2**24 every score is exact in float32, so argmax ties only on equal hashes.
@@ -85,6 +87,7 @@ class ToyModel:
                 torch.tensor([0]),
                 torch.tensor([rid]),
                 torch.tensor([len(seq)]),
+                torch.tensor([0]),
                 torch.tensor([0]),
             )
             tok = int(self.sample(self.forward(fb), fb, None)[0])

@@ -66,7 +66,7 @@ class ToySpecModel:
         """``[m]`` int64: the target's greedy next token after ``tok`` at ``pos`` (all ``[m]``)."""
         m = tok.numel()
         rows = torch.arange(m, device=tok.device)
-        fb = ForwardBatch(-1, tok.to(torch.int64), pos, rows, req_ids, pos + 1, rows)
+        fb = ForwardBatch(-1, tok.to(torch.int64), pos, rows, req_ids, pos + 1, rows, rows)
         return self.target.sample(self.target.forward(fb), fb, None)
 
     def verify(self, step: int, inputs: SpecInputs, req_ids: torch.Tensor) -> torch.Tensor:

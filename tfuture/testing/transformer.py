@@ -20,7 +20,7 @@ class TinyTransformer:
     """``n_layers`` pre-norm attention + MLP blocks over a token cache, float64 throughout.
 
     Args:
-        vocab: vocabulary size; logits are ``[n_reqs, vocab]``.
+        vocab: vocabulary size; logits are ``[n_sample, vocab]`` (the sampling rows only).
         max_requests: request ids must lie in ``[0, max_requests)`` (they index the cache).
         max_len: longest sequence (prompt plus generated tokens).
         seed: weights are drawn from this seed, so two instances compute the same function.
@@ -77,7 +77,11 @@ class TinyTransformer:
         for qkv_w, out_w, up_w, down_w in self.layers:
             x = x + self._attention(_norm(x) @ qkv_w, allowed) @ out_w
             x = x + torch.relu(_norm(x) @ up_w) @ down_w
-        last = x[torch.arange(n_reqs, device=self.device), batch.seq_lens - 1]
+        # Logits for the sampling requests only: their last position.
+        sample = batch.sample_reqs
+        if sample.numel() == 0:
+            return torch.zeros(0, self.vocab, dtype=x.dtype, device=self.device)
+        last = x[sample, batch.seq_lens.index_select(0, sample) - 1]
         return _norm(last) @ self.head
 
     def _attention(self, qkv: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
