@@ -101,7 +101,7 @@ def test_model_hears_ended_requests_after_their_last_forward_then_close(overlap)
 
 def test_forward_gets_host_mirrors_and_logits_rows_for_samplers_only():
     model = Recorder()
-    sched, _ = run(model)
+    run(model)
     for s in model.seen:
         seg = np.asarray(s["seg_starts"])
         assert s["n_tokens"] == int(np.sum(s["host_seg_lens"])) == seg[-1] == s["rows"]
