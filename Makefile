@@ -27,7 +27,7 @@ perf-refresh: $(STAMP)
 
 # The full soak: 100,000 steps on the CPU backend (make test runs a 5,000-step version).
 soak: $(STAMP)
-	$(PY) -m tfuture.testing.soak --steps 100000
+	$(PY) tests/reliability/soak.py --steps 100000
 
 demo: $(STAMP)
 	$(PY) -m tfuture.demo

@@ -1,8 +1,11 @@
-"""Test set-up: the Triton interpreter on CPU-only machines, set before tfuture is imported."""
+"""Test set-up: the Triton interpreter on CPU-only machines, set before tfuture is imported;
+a seeded start for every test."""
 
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 
 if not torch.cuda.is_available():
@@ -15,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+SEED = 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,6 +28,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """torch, numpy's global generator and ``random`` start from the same seed in every test."""
+    random.seed(SEED)
+    np.random.seed(SEED)
+    torch.manual_seed(SEED)
 
 
 @pytest.fixture

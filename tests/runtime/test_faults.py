@@ -11,10 +11,10 @@
 from __future__ import annotations
 
 import gc
-import threading
 import traceback
 
 import pytest
+from support import worker_threads
 
 from tfuture import FutureMap
 from tfuture.faults import HOST_POINTS, TOKEN_POINTS, FaultPlan, InjectedFault
@@ -22,10 +22,6 @@ from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, ToyGrammar, ToyModel, first_difference, random_workload
 
 VOCAB = 64
-
-
-def worker_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "tfuture-forward" and t.is_alive()]
 
 
 def run(
@@ -48,7 +44,7 @@ def frozen_gc():
     gc.unfreeze()
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
+@pytest.mark.parametrize("seed", [11, 12, 13], ids=lambda s: f"workload{s}")
 def test_delays_and_gc_keep_overlap_equal_to_sync(seed, frozen_gc):
     specs = random_workload(seed, 10, vocab=VOCAB, max_new=10, max_prompt=20, grammar_share=0.5)
     grammar = ToyGrammar(VOCAB, seed=seed)
@@ -84,21 +80,34 @@ def test_delays_are_reproducible_per_seed():
     assert FaultPlan(seed=5).delay("forward") == 0.0 and FaultPlan(seed=5).host_delay() == 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# Exceptions at planned points
-
-
 AT = 3  # the step whose point raises
+FAULT_GRAMMAR = ToyGrammar(VOCAB, seed=21)
+FAULT_SPECS = {share: random_workload(21, 8, vocab=VOCAB, max_new=8, grammar_share=share) for share in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def fault_refs() -> dict[int, dict[int, list[int]]]:
+    """The sync outputs of each fault workload, computed once for every point and mode."""
+    return {
+        share: run(specs, FAULT_GRAMMAR, overlap=False, max_running=4)[0].outputs
+        for share, specs in FAULT_SPECS.items()
+    }
+
+
+# Every point on a workload without and with grammar requests; build_mask runs only for the
+# delayed steps of grammar requests.
+FAULT_CASES = [
+    pytest.param(point, share, id=f"{point}-{'grammar' if share else 'plain'}")
+    for point in TOKEN_POINTS + HOST_POINTS
+    for share in (0, 1)
+    if share or point != "build_mask"
+]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-@pytest.mark.parametrize("grammar_share", [0.0, 1.0], ids=["plain", "grammar"])
-@pytest.mark.parametrize("point", TOKEN_POINTS + HOST_POINTS)
-def test_injected_fault_surfaces_and_loop_stops_cleanly(point, grammar_share, overlap):
-    if point == "build_mask" and grammar_share == 0.0:
-        pytest.skip("build_mask runs only for delayed (grammar) steps")
-    specs = random_workload(21, 8, vocab=VOCAB, max_new=8, grammar_share=grammar_share)
-    grammar = ToyGrammar(VOCAB, seed=21)
+@pytest.mark.parametrize(("point", "grammar_share"), FAULT_CASES)
+def test_injected_fault_surfaces_and_loop_stops_cleanly(point, grammar_share, overlap, fault_refs):
+    specs, grammar = FAULT_SPECS[grammar_share], FAULT_GRAMMAR
     plan = FaultPlan(seed=21, max_delay_s=5e-4, raise_at={point: AT})
     fmap = FutureMap(32, device="cpu")
     with pytest.raises(InjectedFault, match=rf"injected fault at {point} of step {AT}") as info:
@@ -116,9 +125,8 @@ def test_injected_fault_surfaces_and_loop_stops_cleanly(point, grammar_share, ov
     assert not worker_threads()
     fmap.check()
     # And the map is intact: the same workload now runs to the sync result on it.
-    ref, _, _ = run(specs, grammar, overlap=False, max_running=4)
     again, _, _ = run(specs, grammar, overlap=overlap, fmap=fmap, max_running=4)
-    assert again.outputs == ref.outputs and fmap.in_use == 0
+    assert again.outputs == fault_refs[grammar_share] and fmap.in_use == 0
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
@@ -137,10 +145,6 @@ def test_fault_past_the_last_step_never_fires():
     sched, stats, _ = run(specs, None, overlap=True, faults=plan)
     assert stats.steps < 10_000 and set(sched.outputs) == {0, 1, 2}
     assert not any(k.startswith("raise_") for k in plan.injected)
-
-
-# ---------------------------------------------------------------------------------------------
-# Bad plans
 
 
 @pytest.mark.parametrize(

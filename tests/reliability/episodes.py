@@ -1,6 +1,6 @@
 """Soak episodes: seeded workloads with aborts, and the comparison of their outputs.
 
-An episode is one fresh workload for :mod:`tfuture.testing.soak`: arrivals, chunked prefill,
+An episode is one fresh workload for the soak (``soak.py``): arrivals, chunked prefill,
 grammar requests, finishes and aborts (:class:`AbortingBatcher`), with its own fault settings.
 """
 

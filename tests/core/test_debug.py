@@ -6,9 +6,9 @@ wrong tokens), while out-of-range placeholders are still flagged through ``err``
 
 import pytest
 import torch
+from defects import plant
 
 from tfuture import FutureError, FutureIndices, FutureMap
-from defects import plant
 
 CAP = 8
 
@@ -32,10 +32,6 @@ def _stored(fmap: FutureMap, n: int, base: int = 100) -> tuple[FutureIndices, to
     fi = fmap.alloc(n)
     fmap.store(fi, _tokens(n, base, str(fmap.device)))
     return fi, fi.placeholders().clone()
-
-
-# ---------------------------------------------------------------------------------------------
-# Planted bugs, debug on
 
 
 def test_read_before_write(dmap):
@@ -120,7 +116,7 @@ def test_ring_overrun_is_caught_as_read_after_release(dmap, device):
 @pytest.mark.xfail(
     strict=True,
     reason="limitation: handles carry generations, placeholder tensors do not: a stale placeholder of a "
-    "slot reused and rewritten reads the new owner's token unnoticed (DESIGN 5: device-side tags)",
+    "slot reused and rewritten reads the new owner's token unnoticed (a fix needs device-side tags)",
 )
 def test_ring_overrun_after_reuse_and_rewrite_is_caught(dmap, device):
     a, pending = _stored(dmap, 2)
@@ -152,10 +148,6 @@ def test_handle_confusion_store_is_read_back(dmap, device):
         dmap.store(joined, _tokens(4, device=device))
 
 
-# ---------------------------------------------------------------------------------------------
-# The same scenarios, debug off: no debug errors, but out-of-range placeholders are still flagged
-
-
 def test_without_debug_order_bugs_pass_silently(plain, device):
     never_written = plain.alloc(1)
     assert plain.resolve(never_written.placeholders().clone()).tolist() == [0]
@@ -184,10 +176,6 @@ def test_without_debug_out_of_range_is_flagged_by_check(plain, device):
     assert plain.err.tolist() == [2, -(2**63)]
     with pytest.raises(FutureError, match=r"2 placeholder\(s\) pointed outside"):
         plain.check()
-
-
-# ---------------------------------------------------------------------------------------------
-# The legit path, debug on
 
 
 def test_legit_path_raises_nothing(dmap, device):

@@ -1,8 +1,9 @@
-"""The soak (``tfuture.testing.soak``): a 5,000-step run in CI, the 100,000-step run marked slow.
+"""The soak (``soak.py``): a 5,000-step run in ``make test``, the 100,000-step run marked slow,
+and in process (the interpreter) the soak's own checks catching planted defects.
 
-The soak runs in a subprocess without ``TRITON_INTERPRET``: the kernels take their torch
-reference path (the interpreter, which conftest switches on for this process, is far too slow
-for thousands of steps, and it is chosen once, when tfuture is imported).
+A soak of thousands of steps runs in a subprocess without ``TRITON_INTERPRET``: the kernels
+take their CPU path (the interpreter, which conftest switches on for this process, is far too
+slow for that, and it is chosen once, when tfuture is imported).
 """
 
 from __future__ import annotations
@@ -11,22 +12,22 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
 from defects import plant
-from tfuture.testing.episodes import Abort, Episode, compare, make_episode
-from tfuture.testing.soak import run_soak
+from episodes import Abort, Episode, compare, make_episode
+from soak import main, run_soak
+
+SOAK = str(Path(__file__).with_name("soak.py"))
 
 
-def soak(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], dict]:
+def soak(*args: str, interpret: bool, timeout: float) -> tuple[subprocess.CompletedProcess[str], dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-m", "tfuture.testing.soak", "--quiet", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [sys.executable, SOAK, "--quiet", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("SOAK_SUMMARY ")), None)
     assert line is not None, proc.stdout + proc.stderr
@@ -48,45 +49,24 @@ def check_summary(proc: subprocess.CompletedProcess[str], s: dict, steps: int) -
         assert key in proc.stdout
 
 
-def test_soak_5000_steps():
-    proc, s = soak("--steps", "5000", "--seed", "0", timeout=240)
+def test_soak_5000_steps_restarts_without_the_interpreter():
+    # Started with TRITON_INTERPRET=1 as make test would: it re-executes itself without it.
+    proc, s = soak("--steps", "5000", "--seed", "0", interpret=True, timeout=240)
     check_summary(proc, s, 5000)
+    assert "interpreter" not in proc.stdout  # no slow-path warning: it restarted without it
 
 
 @pytest.mark.slow
 def test_soak_100000_steps():
-    proc, s = soak("--steps", "100000", "--seed", "1", timeout=1800)
+    proc, s = soak("--steps", "100000", "--seed", "1", interpret=False, timeout=1800)
     check_summary(proc, s, 100_000)
     assert s["debug_episodes"] > 0
 
 
-def test_soak_reexecs_without_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfuture.testing.soak", "--quiet", "--steps", "50", "--check-every", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "interpreter" not in proc.stdout  # no slow-path warning: it restarted without it
-
-
-def test_soak_rejects_bad_arguments():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfuture.testing.soak", "--steps", "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "--steps must be >= 1" in proc.stderr
-
-
-# ---------------------------------------------------------------------------------------------
-# In process (interpreter): the soak's own checks bite
+def test_soak_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--steps", "0"])
+    assert info.value.code == 2 and "--steps must be >= 1" in capsys.readouterr().err
 
 
 def test_episodes_are_reproducible():
@@ -113,8 +93,12 @@ def test_compare_rules():
 
 @pytest.mark.parametrize("defect", ["skip_resolve", "late_delayed_sample"])
 def test_soak_catches_a_planted_defect(defect):
+    # Episode 0 (checked against sync) has grammar requests, so delayed samples too.
+    assert make_episode(0, 0).grammar is not None
+    clean = run_soak(100_000, seed=0, only_episode=0, progress=False)
+    assert clean.ok, clean.failures
     with plant(defect):
-        report = run_soak(200, seed=0, check_every=1, progress=False)
+        report = run_soak(100_000, seed=0, only_episode=0, progress=False)
     assert not report.ok
     assert any("overlap differs from sync" in f for f in report.failures), report.failures
 

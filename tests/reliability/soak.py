@@ -1,6 +1,7 @@
 """Soak test: a long randomized workload through the overlap runtime on the CPU backend.
 
-``python -m tfuture.testing.soak --steps N [--seed S] [--check-every K]``
+``python tests/reliability/soak.py --steps N [--seed S] [--check-every K]`` (``make soak``: 100,000
+steps; ``make test`` runs 5,000 in ``test_soak.py``)
 
 The soak runs ``N`` overlapped steps in episodes. Each episode is a fresh seeded workload:
 requests arrive over time, prompts are prefilled in chunks, some requests follow a grammar
@@ -18,8 +19,8 @@ Checks (any failure exits nonzero):
   ``--max-growth-mib``;
 * no forward-stream thread outlives its run, and the thread count ends where it started.
 
-The kernels must take their torch reference path, not the Triton interpreter (far too slow
-for this many steps): run without ``TRITON_INTERPRET=1``. Run as a module, the soak re-executes
+The kernels must take their CPU path (``tfuture.kernels.cpu``), not the Triton interpreter (far
+too slow for this many steps): run without ``TRITON_INTERPRET=1``. Run as a script, the soak re-executes
 itself without it if it finds it set.
 """
 
@@ -38,19 +39,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from episodes import AbortingBatcher, Episode, compare, make_episode
+
 from tfuture.faults import FaultPlan, InjectedFault
 from tfuture.futures import FutureMap
 from tfuture.kernels import _common
 from tfuture.runtime import OverlapRuntime
-from tfuture.testing.episodes import AbortingBatcher, Episode, compare, make_episode
 from tfuture.testing.toy import ToyModel
 
 MIB = 1 << 20
 THREAD_NAME = "tfuture-forward"
 
 
-# ---------------------------------------------------------------------------------------------
-# Process health
 def rss() -> tuple[int, int]:
     """(current, peak) resident set size in bytes."""
     try:
@@ -64,10 +64,6 @@ def rss() -> tuple[int, int]:
 
 def stream_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD_NAME and t.is_alive()]
-
-
-# ---------------------------------------------------------------------------------------------
-# The soak
 
 
 @dataclass
@@ -261,7 +257,7 @@ def run_soak(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tfuture.testing.soak", description=__doc__.split("\n")[0]
+        prog="python tests/reliability/soak.py", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--steps", type=int, default=5000, help="overlapped steps in total")
     parser.add_argument("--seed", type=int, default=0)
@@ -300,5 +296,5 @@ if __name__ == "__main__":
     if _common.INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
         # The interpreter was chosen when tfuture was imported: start again without it.
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        os.execve(sys.executable, [sys.executable, "-m", "tfuture.testing.soak", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
     sys.exit(main())

@@ -1,0 +1,40 @@
+"""What a run measured (``tfuture.stats``): device busy and idle time from the stream's spans,
+tokens/s, and the Chrome trace."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tfuture.stats import RunStats
+from tfuture.streams import Span
+from tfuture.testing import RequestSpec, ToyModel, run_workload
+
+
+def test_account_sums_busy_time_and_the_gaps_between_ops():
+    # Steps 0 and 1: a gap of 0.5 s before step 1's first op; an overlapping op is not idle.
+    spans = [Span("prepare", 0, 0.0, 1.0), Span("forward", 0, 0.5, 2.0), Span("prepare", 1, 2.5, 3.0)]
+    stats = RunStats("overlap", steps=2, tokens=8, wall=4.0, device_spans=spans)
+    stats.account()
+    assert stats.device_busy == pytest.approx(3.0)
+    assert stats.device_idle == pytest.approx(0.5) and stats.idle_per_step == {1: pytest.approx(0.5)}
+    assert stats.idle_fraction == pytest.approx(0.5 / 3.5)
+    assert (stats.step_time, stats.tokens_per_s) == (2.0, 2.0)
+    assert "overlap: 2 steps" in stats.summary() and "device idle 14.3%" in stats.summary()
+    empty = RunStats("sync")
+    empty.account()
+    assert (empty.idle_fraction, empty.step_time, empty.tokens_per_s) == (0.0, 0.0, 0.0)
+
+
+def test_bubble_accounting_and_trace(tmp_path):
+    specs = [RequestSpec(i, 0, np.array([i + 1, 2]), 6) for i in range(4)]
+    _, stats, _, _ = run_workload(ToyModel(vocab=64, work_s=1e-3), specs, overlap=True, capacity=16, eos=-1)
+    names = {s.name for s in stats.device_spans}
+    assert {"prepare", "forward", "sample", "copy"} <= names
+    assert stats.steps == 6 and stats.device_busy > 6e-3
+    assert 0.0 <= stats.idle_fraction < 1.0
+    assert all(s.end >= s.start for s in stats.device_spans)
+    path = tmp_path / "trace.json"
+    stats.write_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
