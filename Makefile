@@ -4,13 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tfuture-installed
 
-.PHONY: test perf lint soak demo clean
+.PHONY: test perf lint soak demo demo-hf clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# Pinned for the dev environment only: torch==2.13.0 is the CPU wheel on these machines.
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[dev,perf]'
+	$(VENV)/bin/pip install -q -e '.[dev,perf,hf]'
 	touch $@
 
 test: $(STAMP)
@@ -31,6 +31,10 @@ soak: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m tfuture.demo
+
+# A small random-weight Hugging Face Llama through the runtime: sync vs overlap.
+demo-hf: $(STAMP)
+	$(PY) -m tfuture.examples.hf
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tfuture tests perf

@@ -61,7 +61,8 @@ class EndingBatcher(ContinuousBatcher):
         if batch is not None:
             ended = sorted(set(self.outputs) - self._reported)
             self._reported.update(ended)
-            batch.ended = np.asarray(ended, dtype=np.int64)
+            # Merge: the base schedule() may recurse, and an inner call reported some already.
+            batch.ended = np.union1d(batch.ended, np.asarray(ended, dtype=np.int64))
         return batch
 
 

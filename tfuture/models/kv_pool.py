@@ -1,0 +1,160 @@
+"""A pooled KV cache for the runtime: one cache row per live request, written and read on the device.
+
+The pool is framework-free: :class:`KVPool` maps the scheduler's request ids to rows (on the
+host, in stream order: rows are taken in ``forward`` and given back in ``release``, both on the
+forward stream), and :class:`StepLayout` turns one step's packed rows into a padded attention
+over the cache, with device index math only (sizes come from the step's host mirrors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tfuture.batch import ForwardBatch
+
+# (q [n_reqs, heads, width, head_dim], k, v [n_reqs, kv_heads, kv_len, head_dim], mask)
+#   -> [n_reqs, width, heads, head_dim]
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class KVPool:
+    """``k``, ``v``: ``[n_layers, n_rows, max_len, n_kv_heads, head_dim]``, allocated once.
+
+    ``rows_of`` gives each request its row (taken on first sight), ``release`` gives rows
+    back, ``clear`` gives all back. The tensors never grow: a step that needs a row when
+    none is free raises.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_rows: int,
+        max_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        for name, v in (("n_layers", n_layers), ("n_rows", n_rows), ("max_len", max_len)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        shape = (n_layers, n_rows, max_len, n_kv_heads, head_dim)
+        # Normal tensors even when built under inference mode: a later run may write them under no_grad.
+        with torch.inference_mode(False):
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_rows, self.max_len = n_rows, max_len
+        self.rows: dict[int, int] = {}
+        self._free = list(range(n_rows - 1, -1, -1))
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def rows_of(self, req_ids: np.ndarray) -> np.ndarray:
+        """``[n]`` int64 cache rows of ``req_ids``, taking a free row for each new id."""
+        out = np.empty(req_ids.size, dtype=np.int64)
+        for i, rid in enumerate(req_ids.tolist()):
+            row = self.rows.get(rid)
+            if row is None:
+                if not self._free:
+                    raise RuntimeError(
+                        f"KV pool full: request {rid} needs a row, all {self.n_rows} hold live requests "
+                        f"{sorted(self.rows)[:8]}... (raise max_requests, or report finished requests "
+                        "in Batch.ended so that release frees them)"
+                    )
+                row = self.rows[rid] = self._free.pop()
+            out[i] = row
+        return out
+
+    def release(self, req_ids: np.ndarray) -> None:
+        """Give back the rows of ``req_ids``; ids without a row (never run) are ignored."""
+        for rid in req_ids.tolist():
+            row = self.rows.pop(rid, None)
+            if row is not None:
+                self._free.append(row)
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self._free = list(range(self.n_rows - 1, -1, -1))
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """One step's indices. Token ``t`` (packed, ``[n_tok]``) of request ``q`` at offset ``i``
+    is padded row ``pad_idx[t] = q * width + i``; it writes cache row ``tok_rows[t]`` at position
+    ``tok_pos[t]``. ``mask [n_reqs, 1, width, kv_len]`` bool: padded row ``(q, i)`` sees keys
+    ``<= prefix[q] + i`` (padding rows see some keys too, so no softmax is empty).
+    """
+
+    pool: KVPool
+    n_reqs: int
+    width: int
+    kv_len: int
+    req_rows: torch.Tensor
+    tok_rows: torch.Tensor
+    tok_pos: torch.Tensor
+    pad_idx: torch.Tensor
+    mask: torch.Tensor
+
+    @staticmethod
+    def build(pool: KVPool, batch: ForwardBatch) -> StepLayout:
+        """The layout of ``batch``'s real rows and requests (padding of bucketed steps dropped)."""
+        host = batch.host
+        if host is None or batch.seg_starts is None:
+            raise ValueError("the KV pool needs ForwardBatch.host and seg_starts (set by TokenStep)")
+        n_reqs, n_tok, width = host.seg_lens.size, host.n_tokens, host.max_seg_len
+        kv_len = int((host.prefix_lens + host.seg_lens).max()) if n_reqs else 0
+        if kv_len > pool.max_len:
+            q = int(np.argmax(host.prefix_lens + host.seg_lens))
+            raise ValueError(
+                f"request {int(host.req_ids[q])} reaches {kv_len} positions, the KV pool holds max_len="
+                f"{pool.max_len}"
+            )
+        dev = batch.input_ids.device
+        rows = torch.from_numpy(pool.rows_of(host.req_ids))
+        # Pinned: an async H2D copy; from pageable memory the host would wait for the stream.
+        req_rows = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
+        starts = batch.seg_starts[: n_reqs + 1]
+        seg_lens = starts[1:] - starts[:-1]
+        tok_req = torch.repeat_interleave(torch.arange(n_reqs, device=dev), seg_lens, output_size=n_tok)
+        offset = torch.arange(n_tok, device=dev) - starts.index_select(0, tok_req)
+        prefix = batch.seq_lens[:n_reqs] - seg_lens
+        last_key = prefix[:, None] + torch.arange(width, device=dev)[None, :]  # [n_reqs, width]
+        mask = torch.arange(kv_len, device=dev)[None, None, :] <= last_key[:, :, None]
+        return StepLayout(
+            pool,
+            n_reqs,
+            width,
+            kv_len,
+            req_rows,
+            req_rows.index_select(0, tok_req),
+            batch.positions[:n_tok],
+            tok_req * width + offset,
+            mask[:, None],
+        )
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttnFn
+    ) -> torch.Tensor:
+        """Write this step's ``k``, ``v`` (``[1, kv_heads, n_tok, head_dim]``, packed) into the
+        cache, then attend with ``q [1, heads, n_tok, head_dim]``; returns ``[1, n_tok, heads, head_dim]``.
+        """
+        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        kc[self.tok_rows, self.tok_pos] = k[0].transpose(0, 1).to(kc.dtype)
+        vc[self.tok_rows, self.tok_pos] = v[0].transpose(0, 1).to(vc.dtype)
+        # Only the first kv_len positions of each live row: [n_reqs, kv_heads, kv_len, head_dim].
+        keys = kc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
+        values = vc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
+        n_heads, head_dim = q.shape[1], q.shape[3]
+        padded = q.new_zeros(self.n_reqs * self.width, n_heads, head_dim)
+        padded.index_copy_(0, self.pad_idx, q[0].transpose(0, 1))
+        padded = padded.view(self.n_reqs, self.width, n_heads, head_dim).transpose(1, 2)
+        out = attn(padded, keys.to(q.dtype), values.to(q.dtype), self.mask)
+        out = out.reshape(self.n_reqs * self.width, n_heads, -1).index_select(0, self.pad_idx)
+        return out.unsqueeze(0)
