@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tfuture.errors import FutureError, raise_if_flagged
+from tfuture.kernels._common import INT32_MAX, narrows
 
 FREE, ALLOCATED, WRITTEN, READ = 0, 1, 2, 3
 _NAMES = {FREE: "free (released)", ALLOCATED: "allocated, never written", WRITTEN: "written", READ: "read"}
@@ -52,6 +53,12 @@ class SlotStates:
             raise FutureError(
                 f"debug: {negative.numel()} negative token(s) to store: {negative[:8].tolist()}"
             )
+        if narrows(self.token_map.dtype, tokens.dtype):
+            big = tokens[tokens > INT32_MAX]
+            if big.numel():
+                raise FutureError(
+                    f"debug: {big.numel()} token(s) past the int32 map's range to store: {big[:8].tolist()}"
+                )
         idx = self._dev(slots)
         st = self.state[idx]
         bad = st != ALLOCATED

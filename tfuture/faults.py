@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import math
+import numbers
 import random
 import time
 from collections import Counter
@@ -40,6 +41,11 @@ HOST_POINTS = ("schedule", "process", "build_mask")
 
 class InjectedFault(RuntimeError):
     """Raised by a :class:`FaultPlan` at a planned point."""
+
+
+class StepTypeError(TypeError, ValueError):
+    """A ``raise_at`` step that is not an integer (a ``TypeError``, and a ``ValueError`` as
+    before numpy integers were accepted)."""
 
 
 @dataclass
@@ -66,9 +72,15 @@ class FaultPlan:
         ops = set(self.delay_ops) - set(STREAM_POINTS) - {"debug"}
         if ops:
             raise ValueError(f"delay_ops must be among {(*STREAM_POINTS, 'debug')}, got {sorted(ops)}")
+        steps: dict[str, int] = {}
         for point, step in self.raise_at.items():
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"raise_at[{point!r}] must be a step number >= 0, got {step!r}")
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+                got = f"{type(step).__name__} {step!r}"
+                raise StepTypeError(f"raise_at[{point!r}] must be a step number >= 0 (an int), got {got}")
+            if step < 0:
+                raise ValueError(f"raise_at[{point!r}] must be a step number >= 0, got {step}")
+            steps[point] = int(step)
+        self.raise_at = steps
         # One generator per side: the worker thread and the host draw independently.
         self._stream_rng = random.Random(self.seed)
         self._host_rng = random.Random(self.seed + 1)

@@ -14,6 +14,7 @@ integer words, so floats round-trip bit for bit.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,9 +50,11 @@ class FieldSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, tuple) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.shape
+            isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 0 for d in self.shape
         ):
             raise ValueError(f"field shape must be a tuple of ints >= 0, got {self.shape!r}")
+        # numpy integers are welcome; stored as Python ints (hashable, equal, printable).
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"field dtype must be a torch.dtype, got {type(self.dtype).__name__}")
         as_words(torch.empty(0, dtype=self.dtype))
@@ -70,7 +73,7 @@ def _spec(name: object, spec: object) -> FieldSpec:
     if not isinstance(spec, tuple) or len(spec) != 2:
         raise TypeError(f"field {name!r} must be declared as (shape, dtype), got {spec!r}")
     shape, dtype = spec
-    if isinstance(shape, int):
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
         shape = (shape,)
     return FieldSpec(tuple(shape), dtype)
 
@@ -83,7 +86,8 @@ class FutureFields:
         fields: ``{name: (shape, dtype)}`` declared up front (``shape`` a tuple, ``()`` for a
             scalar; an int ``k`` means ``(k,)``).
         allow_new: a ``store`` may name a field that is not declared yet; it is created from
-            the first non-empty payload that names it. Default: True when ``fields`` is empty.
+            the first payload for a non-empty handle that names it (a payload must have one row
+            per handle row either way). Default: True when ``fields`` is empty.
             Declaring from inside a store is not thread-safe with concurrent readers of
             :attr:`specs`; declare up front when stores run on a worker thread.
 
@@ -167,8 +171,14 @@ class FutureFields:
                     raise UnknownFieldError(f"unknown field {name!r}; declared fields: {self.names}")
                 if t.dim() < 1:
                     raise ValueError(f"payload[{name!r}] must be [n, *shape], got a 0-D tensor")
-                if not t.shape[0]:
-                    continue  # an empty payload declares nothing: its shape may be a placeholder
+                if t.shape[0] != n:
+                    # As for a declared field: the rows must match the handle, empty or not.
+                    raise ValueError(
+                        f"payload[{name!r}] must have len(fi) = {n} rows ([len(fi), *shape]), "
+                        f"got shape {tuple(t.shape)}"
+                    )
+                if not n:
+                    continue  # an empty handle's payload declares nothing: its shape may be a placeholder
                 fs = new[name] = _spec(name, (tuple(t.shape[1:]), t.dtype))
             _check_payload(name, t, n, fs)
             names.append(name)

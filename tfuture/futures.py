@@ -14,8 +14,22 @@ import torch
 
 from tfuture.debug import SlotStates
 from tfuture.errors import FutureError, FutureMapFull, raise_if_flagged
-from tfuture.kernels._common import ERR_LEN, INT_DTYPES, check_same_device, check_vector
-from tfuture.kernels.resolve import PreparedInputs, launch_resolve_, prepare_inputs
+from tfuture.kernels._common import (
+    ERR_LEN,
+    INT32_MAX,
+    INT32_MIN,
+    INT_DTYPES,
+    check_same_device,
+    check_vector,
+    narrows,
+)
+from tfuture.kernels.resolve import (
+    PreparedInputs,
+    check_prepare_args,
+    check_segments,
+    launch_resolve_,
+    prepare_inputs,
+)
 from tfuture.kernels.store import launch_store
 from tfuture.slots import FutureIndices, SlotPool
 
@@ -45,7 +59,12 @@ class FutureMap(SlotPool):
             raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        super().__init__(capacity, device=torch.device(device), dtype=dtype, generations=bool(debug))
+        if not isinstance(device, torch.device | str):
+            raise TypeError(f"device must be a torch.device or a str, got {type(device).__name__}")
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be a cpu or cuda device, got {dev}")
+        super().__init__(capacity, device=dev, dtype=dtype, generations=bool(debug))
         self.debug: bool = bool(debug)
         self.token_map: torch.Tensor = torch.zeros(self.capacity + 1, dtype=dtype, device=self.device)
         # "cuda" becomes "cuda:0": tensors report an indexed device, and comparisons must match.
@@ -89,6 +108,10 @@ class FutureMap(SlotPool):
 
         ``tokens``: ``[len(fi)]`` int32/int64 on the map's device. Works for every handle whose
         slots are distinct; a handle that names a slot twice is rejected (no write-twice).
+
+        A token must fit the map's dtype (int64 tokens into an int32 map): on the CPU a token
+        past int32 raises ``ValueError`` here; on CUDA (no sync) the store writes 0 and flags it,
+        like a negative token, and :meth:`check` (or the runtime's next sync) raises.
         """
         self.check_handle(fi, "store")
         check_vector("tokens", tokens)
@@ -99,6 +122,8 @@ class FutureMap(SlotPool):
             raise ValueError("store expects a handle with distinct slots, got one naming a slot twice")
         if len(fi) == 0:
             return
+        if not tokens.is_cuda and narrows(self.dtype, tokens.dtype):
+            _check_fits(tokens.numpy(), self.dtype)
         states = self._states
         if states is not None:
             states.on_store(fi.slots, tokens)
@@ -118,7 +143,8 @@ class FutureMap(SlotPool):
         """In place on the current stream, every negative id ``-s`` becomes slot ``s``'s token.
 
         ``ids``: ``[n]`` int32/int64 on the map's device. A placeholder outside the map is never
-        read: it becomes 0 and is flagged; :meth:`check` (or the runtime's next sync) raises.
+        read, and one whose token does not fit ``ids.dtype`` (int32 ids, an int64 map) is never
+        wrapped: it becomes 0 and is flagged; :meth:`check` (or the runtime's next sync) raises.
         """
         self._check_ids(ids)
         if ids.is_cuda:
@@ -143,7 +169,10 @@ class FutureMap(SlotPool):
         """:func:`tfuture.kernels.resolve.prepare_inputs` against this map, with its checks."""
         states = self._states
         if states is not None:
-            self._check_ids(tokens)  # before the debug read; otherwise the launcher checks
+            # Every check before the debug read marks slots read; otherwise the launcher checks.
+            check_prepare_args(tokens, seg_starts, prefix_lens, self.token_map, n_rows, out, None)
+            if not self.token_map.is_cuda:
+                check_segments(seg_starts, prefix_lens)
             states.before_read(tokens)
         res = prepare_inputs(
             tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err
@@ -167,3 +196,14 @@ class FutureMap(SlotPool):
     def _check_ids(self, ids: torch.Tensor) -> None:
         check_vector("ids", ids)
         check_same_device("ids", ids, "the FutureMap", self.token_map)
+
+
+def _check_fits(values: np.ndarray, dtype: torch.dtype) -> None:
+    """Raise ``ValueError`` if a token of ``values`` does not fit an int32 map (host, CPU only)."""
+    lo, hi = int(values.min()), int(values.max())
+    if lo < INT32_MIN or hi > INT32_MAX:
+        bad = hi if hi > INT32_MAX else lo
+        raise ValueError(
+            f"tokens must fit the FutureMap's {dtype} ([{INT32_MIN}, {INT32_MAX}]), got {bad}; "
+            "use an int64 map for token ids past int32"
+        )

@@ -363,8 +363,8 @@ def _host_index(keep: object, n: int) -> np.ndarray:
         arr = keep.detach().cpu().numpy()
     elif isinstance(keep, np.ndarray | list | tuple | range):
         arr = np.asarray(keep)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
+        if arr.size == 0 and not isinstance(keep, np.ndarray):
+            arr = arr.astype(np.int64)  # [] is float64 to numpy: an empty index
     else:
         raise TypeError(f"keep must be a bool mask or an int index tensor, got {type(keep).__name__}")
     if arr.ndim != 1:
@@ -373,9 +373,17 @@ def _host_index(keep: object, n: int) -> np.ndarray:
         if arr.size != n:
             raise ValueError(f"keep as a bool mask must have {n} entries, got {arr.size}")
         return arr
+    if arr.dtype == np.uint8:
+        # torch's old mask dtype: read as indices it would keep the wrong rows, silently.
+        raise TypeError(
+            "keep must be a bool mask or an int index tensor, got uint8 "
+            "(ambiguous: pass keep.bool() for a mask, int64 for indices)"
+        )
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"keep must be bool or integer, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (arr.min() < -n or arr.max() >= n):
-        raise ValueError(f"keep indices must lie in [-{n}, {n}), got {arr.min()}..{arr.max()}")
-    return arr
+    if arr.size:
+        # As Python ints: a uint64 past int64 would wrap to a negative in an int64 cast.
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < -n or hi >= n:
+            raise ValueError(f"keep indices must lie in [-{n}, {n}), got {lo}..{hi}")
+    return arr.astype(np.int64, copy=False)

@@ -8,6 +8,7 @@ rows, bounds check and error flag are made of; ``record_bad_`` is the references
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import TypeAlias
 
@@ -25,6 +26,9 @@ Slots: TypeAlias = torch.Tensor | range
 
 # Error-flag layout shared by every kernel: [count of bad entries, most negative bad value].
 ERR_LEN = 2
+
+# What an int32 buffer holds: a wider value is flagged, never wrapped into it.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -55,6 +59,20 @@ def search_steps(n_reqs: int) -> int:
     """Binary-search steps over ``n_reqs`` segments, rounded up to a multiple of 4 (few variants)."""
     steps = max(n_reqs - 1, 0).bit_length()
     return -(-steps // 4) * 4
+
+
+def as_int(name: str, value: object) -> int:
+    """``value`` (any integer, numpy's included, not a bool) as a Python int, else a ``TypeError``."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def narrows(dst: torch.dtype, *src: torch.dtype) -> bool:
+    """True when ``dst`` is int32 and a ``src`` is int64: some values would not fit."""
+    return dst == torch.int32 and torch.int64 in src
 
 
 def check_vector(name: str, t: object, dtypes: tuple[torch.dtype, ...] = INT_DTYPES) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tfuture.kernels._common import Slots
+from tfuture.kernels._common import INT32_MAX, INT32_MIN, Slots, narrows, search_steps
 from tfuture.kernels._field_layout import as_words
 
 Tensors: TypeAlias = Sequence[Tensor]
@@ -31,54 +31,124 @@ def _flag(err: Err, bad: np.ndarray, values: np.ndarray) -> None:
         e[1] = min(int(e[1]), int(values[bad].min()))
 
 
-def _resolve_np(ids: np.ndarray, token_map: np.ndarray, err: Err) -> None:
+def _resolve_np(ids: np.ndarray, token_map: np.ndarray, err: Err, fit32: bool = False) -> None:
+    """In place, as the kernels' ``_resolve_block``; ``fit32``: the output is int32 (values past
+    int32, resolved or concrete, are bad)."""
     neg = ids < 0
-    if not neg.any():
+    big = fit32 and ids.dtype == np.int64 and bool((ids > INT32_MAX).any())
+    if not neg.any() and not big:
         return
     # -id in the ids' dtype: the dtype minimum wraps to itself and stays negative, so it fails
     # the bounds check below like any slot past the map (never read).
     slots = -ids[neg]
-    if slots.min() >= 1 and slots.max() < token_map.size:
-        ids[neg] = token_map[slots]
-        return
+    if not big and slots.size and slots.min() >= 1 and slots.max() < token_map.size:
+        tokens = token_map[slots]
+        if not fit32 or (tokens.min() >= INT32_MIN and tokens.max() <= INT32_MAX):
+            ids[neg] = tokens
+            return
     where = np.flatnonzero(neg)
     slots = slots.astype(np.int64)
     ok = (slots >= 1) & (slots < token_map.size)
-    ids[where[ok]] = token_map[slots[ok]]
+    tokens = token_map[np.where(ok, slots, 0)]
+    if fit32:
+        ok &= (tokens >= INT32_MIN) & (tokens <= INT32_MAX)
+    ids[where[ok]] = tokens[ok]
     if err is not None:
-        _flag(err, ~ok, ids[where])
-        ids[where[~ok]] = 0
+        bad = where[~ok]
+        if big:
+            bad = np.concatenate([bad, np.flatnonzero(ids > INT32_MAX)])
+        _flag(err, np.ones(bad.size, dtype=bool), ids[bad])
+        ids[bad] = 0
 
 
 def resolve_(ids: Tensor, token_map: Tensor, err: Err) -> Tensor:
     """In place: every placeholder ``-s`` in ``ids`` with ``1 <= s < n_slots`` -> ``token_map[s]``."""
-    _resolve_np(ids.numpy(), token_map.numpy(), err)
+    _resolve_np(ids.numpy(), token_map.numpy(), err, narrows(ids.dtype, token_map.dtype))
     return ids
 
 
+def malformed(seg: np.ndarray, prefix: np.ndarray) -> bool:
+    """True unless ``seg_starts[0] == 0``, ``seg_starts`` is non-decreasing and ``prefix_lens >= 0``."""
+    return bool(seg[0] != 0 or (prefix.size and (prefix.min() < 0 or (seg[1:] < seg[:-1]).any())))
+
+
+def segment_error(seg: np.ndarray, prefix: np.ndarray) -> str | None:
+    """The first defect of malformed segments, as an error message (None when well formed)."""
+    if not malformed(seg, prefix):
+        return None
+    if seg[0] != 0:
+        return f"seg_starts[0] must be 0, got {int(seg[0])}"
+    back = np.flatnonzero(seg[1:] < seg[:-1])
+    if back.size:
+        q = int(back[0])
+        return (
+            f"seg_starts must be non-decreasing, got seg_starts[{q + 1}] = {int(seg[q + 1])} "
+            f"< seg_starts[{q}] = {int(seg[q])}"
+        )
+    q = int(np.flatnonzero(prefix < 0)[0])
+    return f"prefix_lens must be >= 0, got prefix_lens[{q}] = {int(prefix[q])}"
+
+
+def _search(seg: np.ndarray, rows: np.ndarray, n_reqs: int) -> np.ndarray:
+    """The kernel's binary search, step for step: on malformed segments it alone defines the
+    request of each row, so both paths agree there too."""
+    lo = np.zeros(rows.size, dtype=np.int64)
+    hi = np.full(rows.size, n_reqs - 1, dtype=np.int64)
+    for _ in range(search_steps(n_reqs)):
+        active = lo < hi
+        mid = (lo + hi + 1) // 2
+        go = seg[np.where(active, mid, 0)] <= rows
+        lo = np.where(active & go, mid, lo)
+        hi = np.where(active & ~go, mid - 1, hi)
+    return lo
+
+
 def prepare(
-    tokens: Tensor, seg_starts: Tensor, prefix_lens: Tensor, token_map: Tensor, out: Tensors, err: Err
+    tokens: Tensor,
+    seg_starts: Tensor,
+    prefix_lens: Tensor,
+    token_map: Tensor,
+    out: Tensors,
+    err: Err,
+    strict: bool = False,
 ) -> None:
-    """Fused input preparation into ``out = (input_ids, positions, last_rows)``."""
+    """Fused input preparation into ``out = (input_ids, positions, last_rows)``.
+
+    Malformed segments are flagged in ``err`` as the kernel flags them, or with ``strict`` raise
+    ``ValueError`` before anything is written.
+    """
     seg = seg_starts.numpy().astype(np.int64, copy=False)
+    prefix = prefix_lens.numpy().astype(np.int64, copy=False)
+    bad = malformed(seg, prefix)
+    if bad and strict:
+        raise ValueError(segment_error(seg, prefix))
     total = max(min(int(seg[-1]), tokens.numel()), 0)
-    # Resolve in the stream's dtype, then cast into the output, as the kernel does.
-    live = tokens.numpy()[:total].copy()
-    _resolve_np(live, token_map.numpy(), err)
     ids, pos, last = (t.numpy() for t in out)
+    # Resolved in int64, as the kernel does: an int32 stream over an int64 map must not wrap.
+    live = tokens.numpy()[:total].astype(np.int64)
+    _resolve_np(live, token_map.numpy(), err, narrows(out[0].dtype, tokens.dtype, token_map.dtype))
     ids[:total] = live
     ids[total:] = 0
     pos[total:] = 0
     if seg.size == 1:
         # No request owns a row: seg_starts == [0] leaves none live (a bad seg_starts[0] too).
         pos[:] = 0
-    else:
+    elif not bad:
         rows = np.arange(total)
         # The request of row r is the largest q with seg_starts[q] <= r (0 if none), as the
         # kernel's binary search: one searchsorted, about 2x cheaper than repeat+diff at 256.
         req = np.searchsorted(seg[1:-1], rows, side="right")
-        pos[:total] = prefix_lens.numpy()[req] + rows - seg[req]
-        last[:] = np.maximum(np.minimum(seg[1:], total) - 1, 0)
+        pos[:total] = prefix[req] + rows - seg[req]
+    else:
+        rows = np.arange(total)
+        req = _search(seg, rows, prefix.size)
+        pos[:total] = np.maximum(prefix[req] + rows - seg[req], 0)
+    last[:] = np.maximum(np.minimum(seg[1:], total) - 1, 0)
+    if bad and err is not None:
+        # As the kernel: one count per malformed request, one more for seg_starts[0] != 0.
+        seg_len = seg[1:] - seg[:-1]
+        _flag(err, (seg_len < 0) | (prefix < 0), np.minimum(seg_len, prefix))
+        _flag(err, seg[:1] != 0, -np.abs(seg[:1]))
 
 
 def _slot_rows(
@@ -112,11 +182,16 @@ def store(token_map: Tensor, slots: Slots, values: Tensor, err: Err) -> None:
     dst, vals = token_map.numpy(), values.numpy()
     rows, ok = _slot_rows(slots, dst.size, False, err)
     if err is not None:
-        # A negative token would resolve into a placeholder-like id: store 0 and flag it.
-        negative = vals < 0 if ok is None else ok & (vals < 0)
-        if negative.any():
-            _flag(err, negative, vals)
-            vals = np.where(negative, 0, vals)
+        # A negative token would resolve into a placeholder-like id, and one past an int32 map
+        # would wrap into one: store 0 and flag it.
+        unfit = vals < 0
+        if narrows(token_map.dtype, values.dtype):
+            unfit |= vals > INT32_MAX
+        if ok is not None:
+            unfit &= ok
+        if unfit.any():
+            _flag(err, unfit, vals)
+            vals = np.where(unfit, 0, vals)
     if ok is None:
         dst[rows] = vals
     else:

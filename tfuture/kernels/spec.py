@@ -18,6 +18,7 @@ import triton.language as tl
 from tfuture.kernels import cpu
 from tfuture.kernels._common import (
     INT_DTYPES,
+    as_int,
     block_rows,
     cdiv,
     check_err,
@@ -103,10 +104,11 @@ def _check_spec_args(
     last: torch.Tensor,
     seq_lens: torch.Tensor,
     fields: tuple[torch.Tensor, ...],
-    n_rows: int,
+    n_rows: object,
     out: SpecInputs | None,
-) -> None:
-    """``fields``: the slot fields ``(tokens, accept_len, new_seq_len, draft_tokens)``."""
+) -> int:
+    """``fields``: the slot fields ``(tokens, accept_len, new_seq_len, draft_tokens)``; returns
+    ``n_rows`` as an int (default ``len(last)``)."""
     check_vector("last", last)
     check_vector("seq_lens", seq_lens)
     if seq_lens.numel() != last.numel():
@@ -125,12 +127,11 @@ def _check_spec_args(
         check_same_device(name, t, "accept_len", accept_len)
     if tokens.shape[1] < 1:
         raise ValueError(f"tokens must hold at least one token per slot, got width {tokens.shape[1]}")
-    if isinstance(n_rows, bool) or not isinstance(n_rows, int):
-        raise TypeError(f"n_rows must be an int, got {type(n_rows).__name__}")
+    n_rows = last.numel() if n_rows is None else as_int("n_rows", n_rows)
     if n_rows < last.numel():
         raise ValueError(f"n_rows must be >= len(last) = {last.numel()}, got {n_rows}")
     if out is None:
-        return
+        return n_rows
     width = draft_tokens.shape[1] + 1
     for name, t, shape in zip(
         SpecInputs._fields, out, ((n_rows, width), (n_rows, width), (n_rows,)), strict=True
@@ -141,6 +142,7 @@ def _check_spec_args(
         if tuple(t.shape) != shape:
             raise ValueError(f"out.{name} must have shape {shape}, got {tuple(t.shape)}")
         check_same_device(f"out.{name}", t, "accept_len", accept_len)
+    return n_rows
 
 
 def prepare_spec_inputs(
@@ -177,8 +179,7 @@ def prepare_spec_inputs(
         :class:`SpecInputs`: ``input_ids [n_rows, k+1]`` and ``positions [n_rows, k+1]`` int64
         (``positions[i, j] = seq_len_i - 1 + j``) and ``n_draft [n_rows]`` int64. No host sync.
     """
-    n_rows = last.numel() if n_rows is None else n_rows
-    _check_spec_args(last, seq_lens, (tokens, accept_len, new_seq_len, draft_tokens), n_rows, out)
+    n_rows = _check_spec_args(last, seq_lens, (tokens, accept_len, new_seq_len, draft_tokens), n_rows, out)
     if err is not None:
         check_err(err, accept_len)
     return launch_prepare_spec(

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from tfuture.kernels import cpu
 from tfuture.kernels._common import (
+    INT32_MAX,
     Slots,
     block_for,
     block_rows,
@@ -18,6 +19,7 @@ from tfuture.kernels._common import (
     flag_bad,
     in_range,
     load_slots,
+    narrows,
     record_bad_,
     use_triton,
 )
@@ -43,11 +45,15 @@ def _store_kernel(
     ok = mask & in_range(slots, n_slots)
     values = tl.load(values_ptr + offs, mask=mask, other=0)
     if HAS_ERR:
-        # A negative token would resolve into a placeholder-like id: store 0 and flag it.
-        negative = ok & (values < 0)
-        worst = tl.where(negative, values.to(tl.int64), -slots)
-        flag_bad(err_ptr, (mask & ~ok) | negative, worst, BLOCK=BLOCK)
-        values = tl.where(negative, tl.zeros_like(values), values)
+        # A negative token would resolve into a placeholder-like id, and one past an int32 map
+        # would wrap into one: store 0 and flag it.
+        unfit = values < 0
+        if map_ptr.dtype.element_ty == tl.int32 and values.dtype == tl.int64:
+            unfit = unfit | (values > 2147483647)
+        unfit = ok & unfit
+        worst = tl.where(unfit, values.to(tl.int64), -slots)
+        flag_bad(err_ptr, (mask & ~ok) | unfit, worst, BLOCK=BLOCK)
+        values = tl.where(unfit, tl.zeros_like(values), values)
     tl.store(map_ptr + slots, values.to(map_ptr.dtype.element_ty), mask=ok)
 
 
@@ -83,7 +89,9 @@ def store_futures(
         values: ``[n]`` int32/int64, cast to ``token_map.dtype``.
         err: optional ``[2]`` int64 error flag. Slots outside ``[1, n_slots)`` are never written;
             with ``err`` they are counted in ``err[0]`` and ``err[1]`` keeps ``min(-slot)``, and a
-            negative value is stored as 0 and counted (``err[1]`` keeps the value).
+            value that is negative or does not fit the map (past int32 in an int32 map) is
+            stored as 0 and counted (``err[1]`` keeps the most negative value). Without ``err``
+            values are only cast.
 
     Duplicate slots are the caller's bug: which value lands is unspecified. n == 0 is a no-op.
     """
@@ -128,7 +136,10 @@ def store_futures_ref(
     slots = slots.to(torch.int64)
     ok = (slots >= 1) & (slots < token_map.numel())
     if err is not None:
-        negative = ok & (values < 0)
-        record_bad_(err, ~ok | negative, torch.where(negative, values.to(torch.int64), -slots))
-        values = torch.where(negative, 0, values)
+        unfit = values < 0
+        if narrows(token_map.dtype, values.dtype):
+            unfit |= values > INT32_MAX
+        unfit &= ok
+        record_bad_(err, ~ok | unfit, torch.where(unfit, values.to(torch.int64), -slots))
+        values = torch.where(unfit, 0, values)
     token_map[slots[ok]] = values[ok].to(token_map.dtype)

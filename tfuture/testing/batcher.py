@@ -113,6 +113,7 @@ class ContinuousBatcher:
         self.host_work_s = host_work_s
         self._host_work = spin if host_work_holds_gil else time.sleep
         self.waiting = sorted(specs, key=lambda s: (s.arrival, s.rid))
+        self.n_requests = len(specs)
         self.running: list[_Req] = []
         self.outputs: dict[int, list[int]] = {}
         self.tick = 0
@@ -145,8 +146,33 @@ class ContinuousBatcher:
             slots_left -= int(samples)
             rows.append((r, n, samples))
         if not rows:
+            self._check_not_stuck()
             return None
         return self._build(rows)
+
+    def _check_not_stuck(self) -> None:
+        """Called when nothing can be scheduled: raise if nothing ever will be.
+
+        With a sampled token still unprocessed, its step's processing frees slots and moves
+        requests on, and the runtime calls :meth:`schedule` again after it. Without one (and a
+        non-sampling prefill chunk frees nothing), unfinished requests would be dropped silently.
+        """
+        if any(r.n_pending for r in self.running):
+            return
+        left = len(self.waiting) + sum(not r.finished for r in self.running)
+        if not left:
+            return
+        fmap = self.fmap
+        if fmap.free < 1:
+            why = (
+                f"the FutureMap has 0 free slots of {fmap.capacity} ({fmap.in_use} held by handles this "
+                "batcher does not own); release them or give the batcher its own map"
+            )
+        else:
+            why = f"nothing fits token_budget={self.token_budget} with chunk={self.chunk}"
+        raise RuntimeError(
+            f"ContinuousBatcher is stuck with {left} of {self.n_requests} requests unfinished: {why}"
+        )
 
     def _build(self, rows: list[tuple[_Req, int, bool]]) -> Batch:
         tokens: list[np.ndarray] = []
