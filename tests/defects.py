@@ -55,6 +55,15 @@ def _prepare_without_resolve(real: Callable[..., Any]) -> Callable[..., Any]:
     return prepare
 
 
+def _launch_without_resolve(real: Callable[..., Any]) -> Callable[..., Any]:
+    """The unchecked prepare against an empty map with no error flag (see above)."""
+
+    def launch(tokens, seg_starts, prefix_lens, token_map, n_rows, out, err, **kw):  # type: ignore[no-untyped-def]
+        return real(tokens, seg_starts, prefix_lens, token_map[:1], n_rows, out, None, **kw)
+
+    return launch
+
+
 def _ring_without_wait(ring_name: str, real: Callable[..., Staging]) -> Callable[..., Staging]:
     """The ring named ``ring_name`` always hands out its first buffer, never waiting for it."""
 
@@ -117,6 +126,10 @@ def plant(*names: str) -> Iterator[None]:
             elif name == "skip_resolve":
                 real = tfuture.futures.prepare_inputs
                 patch(mock.patch.object(tfuture.futures, "prepare_inputs", _prepare_without_resolve(real)))
+                real_launch = tfuture.futures.launch_prepare
+                patch(
+                    mock.patch.object(tfuture.futures, "launch_prepare", _launch_without_resolve(real_launch))
+                )
                 patch(mock.patch.object(tfuture.futures, "launch_resolve_", lambda ids, token_map, err: ids))
             elif name in ("no_input_keepalive", "staging_no_wait"):
                 ring = "inputs" if name == "no_input_keepalive" else "outputs"

@@ -82,6 +82,8 @@ class Batch:
             raise TypeError(f"Batch.sample must be a bool numpy array of {n} entries, got {self.sample!r}")
         if n and self.seg_lens.min() < 1:
             raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
+        if n and self.prefix_lens.min() < 0:
+            raise ValueError(f"Batch.prefix_lens must be >= 0, got min {self.prefix_lens.min()}")
         if int(self.seg_lens.sum()) != self.tokens.size:
             want = int(self.seg_lens.sum())
             raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {self.tokens.size}")

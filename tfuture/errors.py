@@ -20,6 +20,7 @@ def raise_if_flagged(err: Sequence[int] | np.ndarray) -> None:
     count, worst = int(err[0]), int(err[1])
     if count:
         raise FutureError(
-            f"{count} placeholder(s) pointed outside the FutureMap or negative token(s) were stored "
-            f"(most negative: {worst}); they were replaced by token 0 and never read"
+            f"{count} placeholder(s) pointed outside the FutureMap, token(s) did not fit the dtype or "
+            f"segment(s) were malformed, or negative token(s) were stored (most negative: {worst}); "
+            "bad ids were replaced by token 0 and never read"
         )

@@ -27,6 +27,7 @@ from tfuture.kernels.resolve import (
     PreparedInputs,
     check_prepare_args,
     check_segments,
+    launch_prepare,
     launch_resolve_,
     prepare_inputs,
 )
@@ -177,6 +178,25 @@ class FutureMap(SlotPool):
         res = prepare_inputs(
             tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err
         )
+        if states is not None:
+            states.after_read(res.input_ids)
+        return res
+
+    def launch_prepare(
+        self,
+        tokens: torch.Tensor,
+        seg_starts: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        n_rows: int,
+        out: PreparedInputs | None,
+    ) -> PreparedInputs:
+        """:meth:`prepare_inputs` without its argument checks, for a caller that built well-formed
+        tensors itself (the runtime: from a checked :class:`tfuture.batch.Batch`). Debug mode
+        still checks every slot it reads."""
+        states = self._states
+        if states is not None:
+            states.before_read(tokens)
+        res = launch_prepare(tokens, seg_starts, prefix_lens, self.token_map, n_rows, out, self.err)
         if states is not None:
             states.after_read(res.input_ids)
         return res

@@ -116,7 +116,8 @@ class TokenStep(StepKind):
                     torch.zeros(key[0], dtype=torch.int64, device=dev),
                     torch.zeros(key[1], dtype=torch.int64, device=dev),
                 )
-        prepared = fmap.prepare_inputs(tokens, seg, prefix, n_rows=state.n_rows, out=out)
+        # The tensors come from a checked Batch (seg_lens >= 1, prefix_lens >= 0): no second check.
+        prepared = fmap.launch_prepare(tokens, seg, prefix, state.n_rows, out)
         sample_rows = prepared.last_rows.index_select(0, sreq)
         state.fwd = ForwardBatch(rec.step, *prepared, rids, lens, sreq, sample_rows, seg, state.host)
 

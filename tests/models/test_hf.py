@@ -17,12 +17,12 @@ transformers = pytest.importorskip("transformers")
 
 from tfuture import FutureMap  # noqa: E402
 from tfuture.batch import Batch, ForwardBatch  # noqa: E402
-from tfuture.examples.hf import EndingBatcher, build_llama  # noqa: E402
+from tfuture.examples.hf import build_llama  # noqa: E402
 from tfuture.examples.hf import main as example_main  # noqa: E402
 from tfuture.faults import FaultPlan  # noqa: E402
 from tfuture.models import HFCausalLM  # noqa: E402
 from tfuture.runtime import OverlapRuntime  # noqa: E402
-from tfuture.testing import RequestSpec, random_workload  # noqa: E402
+from tfuture.testing import ContinuousBatcher, RequestSpec, random_workload  # noqa: E402
 from tfuture.token_step import Buckets  # noqa: E402
 
 VOCAB = 160
@@ -66,7 +66,7 @@ def generate(model: Any, specs: list[RequestSpec], eos: int | None = None) -> di
     return out
 
 
-class LifecycleBatcher(EndingBatcher):
+class LifecycleBatcher(ContinuousBatcher):
     """Reports ended requests; hard-aborts ``aborts[rid] = ("fed", n)`` once ``n`` prompt tokens
     were sent (mid-prefill, no tokens) or ``("tokens", n)`` once ``n`` tokens were seen (its
     in-flight token is dropped, so sync and overlap both keep exactly ``n``)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tfuture import FutureMap
-from tfuture.batch import Batch, ForwardBatch
+from tfuture.batch import ForwardBatch
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, ToyModel, random_workload
 from tfuture.token_step import Buckets
@@ -49,26 +49,9 @@ class Recorder(ToyModel):
         self.events.append(("close", None))
 
 
-class EndingBatcher(ContinuousBatcher):
-    """Tells the runtime which requests ended (finished) since the last step it scheduled."""
-
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self._reported: set[int] = set()
-
-    def schedule(self) -> Batch | None:
-        batch = super().schedule()
-        if batch is not None:
-            ended = sorted(set(self.outputs) - self._reported)
-            self._reported.update(ended)
-            # Merge: the base schedule() may recurse, and an inner call reported some already.
-            batch.ended = np.union1d(batch.ended, np.asarray(ended, dtype=np.int64))
-        return batch
-
-
 def run(model: Recorder, overlap: bool = True, **kw: object) -> tuple[ContinuousBatcher, FutureMap]:
     fmap = FutureMap(64, device="cpu")
-    sched = EndingBatcher(random_workload(2, 10, max_new=8), fmap, max_running=4)
+    sched = ContinuousBatcher(random_workload(2, 10, max_new=8), fmap, max_running=4)
     OverlapRuntime(model, fmap, overlap=overlap, **kw).run(sched)  # type: ignore[arg-type]
     return sched, fmap
 

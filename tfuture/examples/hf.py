@@ -16,33 +16,13 @@ import os
 import tempfile
 from typing import Any
 
-import numpy as np
 import torch
 
-from tfuture.batch import Batch
 from tfuture.futures import FutureMap
 from tfuture.models import HFCausalLM
 from tfuture.runtime import OverlapRuntime
 from tfuture.stats import RunStats
 from tfuture.testing import ContinuousBatcher, RequestSpec, random_workload
-
-
-class EndingBatcher(ContinuousBatcher):
-    """A :class:`ContinuousBatcher` that reports in :attr:`Batch.ended` the requests finished
-    since its last batch, so the model frees their KV cache rows."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.reported: set[int] = set()
-
-    def schedule(self) -> Batch | None:
-        batch = super().schedule()
-        if batch is not None:
-            ended = np.asarray(sorted(set(self.outputs) - self.reported), dtype=np.int64)
-            self.reported.update(ended.tolist())
-            # Union: the base class may recurse into this method (an idle jump) or report some itself.
-            batch.ended = np.union1d(batch.ended, ended)
-        return batch
 
 
 def build_llama(
@@ -72,7 +52,7 @@ def run(
 ) -> tuple[dict[int, list[int]], RunStats]:
     """One run of ``specs`` (no end token: every request runs to its limit)."""
     fmap = FutureMap(4 * max_running, device=model.pool.k.device)
-    sched = EndingBatcher(
+    sched = ContinuousBatcher(
         specs, fmap, eos=-1, max_running=max_running, chunk=16, token_budget=64, host_work_s=host_s
     )
     stats = OverlapRuntime(model, fmap, overlap=overlap).run(sched)

@@ -10,6 +10,7 @@ without seeing the token, so they get no extra step.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +88,10 @@ class ContinuousBatcher:
     """Schedules ``specs`` onto a runtime: at most ``max_running`` requests, ``token_budget``
     tokens per step, prompts in chunks of at most ``chunk`` tokens.
 
-    ``outputs[rid]`` holds each request's generated tokens (the end token included).
+    ``outputs[rid]`` holds each request's generated tokens (the stop token included). ``eos`` is
+    one stop token or a collection of them. Each batch reports in ``Batch.ended`` the requests
+    that finished since the last batch (they appear in no later step), so a model can free their
+    KV cache; requests that finish after the last batch are left to the model's ``close()``.
     If the map cannot hold another step's slots, new prefills are held back (back-pressure).
     ``host_work_s`` seconds of host work per processed step stand in for T_cpu: a sleep (like
     work in C extensions that release the GIL), or with ``host_work_holds_gil`` a Python spin.
@@ -98,7 +102,7 @@ class ContinuousBatcher:
         specs: list[RequestSpec],
         fmap: FutureMap,
         *,
-        eos: int = 0,
+        eos: int | Iterable[int] = 0,
         max_running: int = 8,
         chunk: int = 8,
         token_budget: int = 32,
@@ -108,7 +112,9 @@ class ContinuousBatcher:
     ) -> None:
         if any(s.grammar for s in specs) and grammar is None:
             raise ValueError("a request asks for a grammar but no grammar was given")
-        self.fmap, self.eos, self.grammar = fmap, eos, grammar
+        self.fmap, self.grammar = fmap, grammar
+        self.stop = frozenset((eos,) if isinstance(eos, int | np.integer) else (int(t) for t in eos))
+        self.eos = min(self.stop) if self.stop else -1  # one of them, for callers that read eos
         self.max_running, self.chunk, self.token_budget = max_running, chunk, token_budget
         self.host_work_s = host_work_s
         self._host_work = spin if host_work_holds_gil else time.sleep
@@ -118,9 +124,12 @@ class ContinuousBatcher:
         self.outputs: dict[int, list[int]] = {}
         self.tick = 0
         self.extra_tokens = 0  # tokens sampled for already-finished requests, then discarded
+        self._ended: list[int] = []  # finished requests not reported in a Batch yet
 
     def schedule(self) -> Batch | None:
         self.tick += 1
+        # Finished requests leave the batch for good: report them in the next batch built.
+        self._ended.extend(r.spec.rid for r in self.running if r.finished)
         self.running = [r for r in self.running if not r.finished]
         while self.waiting and len(self.running) < self.max_running and self.waiting[0].arrival <= self.tick:
             self.running.append(_Req(self.waiting.pop(0)))
@@ -211,7 +220,9 @@ class ContinuousBatcher:
             np.asarray(sample, dtype=bool),
             consumes=consumes,
             tag=[r for r, _, s in rows if s],
+            ended=np.asarray(self._ended, dtype=np.int64),
         )
+        self._ended = []
         batch.delayed = self.grammar is not None and any(r.spec.grammar for r in batch.tag)
         for row, r in enumerate(batch.tag):
             r.pending = (batch, row)
@@ -231,7 +242,7 @@ class ContinuousBatcher:
             if r.spec.grammar and self.grammar is not None:
                 r.state = self.grammar.advance(r.state, tok)
             r.out.append(tok)
-            if tok == self.eos or len(r.out) >= r.spec.max_new:
+            if tok in self.stop or len(r.out) >= r.spec.max_new:
                 r.finished = True
                 self.outputs[r.spec.rid] = r.out
 

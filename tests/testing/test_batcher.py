@@ -1,0 +1,53 @@
+"""ContinuousBatcher: several stop tokens, and ended requests reported in the next batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfuture import FutureMap
+from tfuture.batch import Batch
+from tfuture.runtime import OverlapRuntime
+from tfuture.testing import ContinuousBatcher, ToyModel, random_workload
+
+
+class Watching(ContinuousBatcher):
+    def __init__(self, *args, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kw)
+        self.batches: list[Batch] = []
+
+    def schedule(self) -> Batch | None:
+        batch = super().schedule()
+        if batch is not None and (not self.batches or self.batches[-1] is not batch):
+            self.batches.append(batch)
+        return batch
+
+
+def test_any_of_several_stop_tokens_ends_a_request():
+    specs = random_workload(3, 12, vocab=64, max_new=20)
+    fmap = FutureMap(64, device="cpu")
+    stop = {3, 5, 7, 11, 13}
+    sched = Watching(specs, fmap, eos=stop)
+    OverlapRuntime(ToyModel(vocab=64), fmap).run(sched)
+    by_rid = {s.rid: s for s in specs}
+    stopped = 0
+    for rid, out in sched.outputs.items():
+        assert not set(out[:-1]) & stop
+        if len(out) < by_rid[rid].max_new:
+            assert out[-1] in stop
+            stopped += 1
+    assert stopped, "no request ended on a stop token: pick other stop tokens"
+
+
+def test_finished_requests_are_reported_once_and_never_scheduled_again():
+    fmap = FutureMap(64, device="cpu")
+    sched = Watching(random_workload(4, 12, vocab=64, max_new=6), fmap, max_running=4)
+    OverlapRuntime(ToyModel(vocab=64), fmap).run(sched)
+    reported: list[int] = []
+    for i, batch in enumerate(sched.batches):
+        ended = set(batch.ended.tolist())
+        assert not ended & set(reported)
+        reported += sorted(ended)
+        later = {int(r) for b in sched.batches[i:] for r in b.req_ids}
+        assert not ended & later, "a reported request appears in this or a later step"
+    assert reported and set(reported) <= set(sched.outputs)
+    assert np.unique(reported).size == len(reported)
