@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from tfuture.batch import Batch, StepResult
-from tfuture.faults import HOST_POINTS, TOKEN_POINTS
+from tfuture.faults import HOST_POINTS, SPEC_POINTS, TOKEN_POINTS
 from tfuture.futures import FutureMap
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
 from tfuture.testing.toy import ToyGrammar
@@ -112,6 +112,7 @@ class Episode:
     batcher_kw: dict[str, int]
     plan_kw: dict[str, Any]
     debug: bool
+    spec: bool = False  # a speculative episode (SpecStep, SpecBatcher): no grammar, no aborts
 
 
 def make_episode(seed: int, index: int) -> Episode:
@@ -160,7 +161,16 @@ def make_episode(seed: int, index: int) -> Episode:
         point = str(rng.choice(TOKEN_POINTS + HOST_POINTS))
         plan_kw["raise_at"] = {point: int(rng.integers(0, 40))}
     debug = bool(rng.random() < 0.03)
-    return Episode(index, seed, specs, vocab, grammar, aborts, batcher_kw, plan_kw, debug)
+    # Drawn last, so the other draws (and every token episode) stay as they were.
+    spec = grammar is None and bool(rng.random() < 0.2)
+    if spec:
+        aborts = {}
+        if "delay_ops" in plan_kw:
+            plan_kw["delay_ops"] = tuple(str(op) for op in rng.choice(SPEC_POINTS, k, replace=False))
+        if "raise_at" in plan_kw:
+            point = str(rng.choice([*SPEC_POINTS, "schedule", "process"]))
+            plan_kw["raise_at"] = {point: int(rng.integers(0, 40))}
+    return Episode(index, seed, specs, vocab, grammar, aborts, batcher_kw, plan_kw, debug, spec)
 
 
 def compare(ep: Episode, sync: dict[int, list[int]], over: dict[int, list[int]]) -> str | None:

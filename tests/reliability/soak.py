@@ -6,7 +6,9 @@ steps; ``make test`` runs 5,000 in ``test_soak.py``)
 The soak runs ``N`` overlapped steps in episodes. Each episode is a fresh seeded workload:
 requests arrive over time, prompts are prefilled in chunks, some requests follow a grammar
 (delayed sampling), requests finish on the end token or their length limit, and some are
-aborted (see :class:`AbortingBatcher`). Episodes run on one long-lived :class:`FutureMap`
+aborted (see :class:`AbortingBatcher`); about one episode in five without grammars is a
+speculative one (``SpecStep`` with a seeded fallible draft), whose committed tokens must equal
+plain greedy decoding. Episodes run on one long-lived :class:`FutureMap`
 (some on a fresh debug-mode map), each with its own seeded :class:`FaultPlan`: stream and host
 delays, a ``gc.collect()`` after every step, and now and then an exception at a planned point.
 
@@ -45,7 +47,10 @@ from tfuture.faults import FaultPlan, InjectedFault
 from tfuture.futures import FutureMap
 from tfuture.kernels import _common
 from tfuture.runtime import OverlapRuntime
+from tfuture.speculative import SpecStep
+from tfuture.testing.equivalence import first_difference
 from tfuture.testing.toy import ToyModel
+from tfuture.testing.toy_spec import SpecBatcher, ToySpecModel, reference_outputs
 
 MIB = 1 << 20
 THREAD_NAME = "tfuture-forward"
@@ -75,6 +80,7 @@ class SoakReport:
     aborted: int = 0
     extra_tokens: int = 0
     debug_episodes: int = 0
+    spec_episodes: int = 0
     equivalence_checked: int = 0
     sync_steps: int = 0
     faults: Counter[str] = field(default_factory=Counter)
@@ -111,6 +117,7 @@ class SoakReport:
         lines = [
             f"steps:               {self.steps} overlapped ({self.sync_steps} more in sync reruns)",
             f"episodes:            {self.episodes} ({self.debug_episodes} on a debug map, "
+            f"{self.spec_episodes} speculative, "
             f"{self.equivalence_checked} checked against sync, {self.raised_episodes} stopped by a fault)",
             f"requests:            {self.requests} ({self.aborted} aborted)",
             f"tokens:              {self.tokens} delivered, {self.extra_tokens} discarded (extra steps)",
@@ -136,10 +143,19 @@ def run_sync(ep: Episode) -> tuple[dict[int, list[int]], int]:
     return sched.outputs, stats.steps
 
 
+def spec_parts(ep: Episode, fmap: FutureMap, overlap: bool, plan: FaultPlan | None) -> tuple[Any, Any]:
+    """The scheduler and runtime of a speculative episode: k = 2 drafts, 30% of them wrong."""
+    sched = SpecBatcher(ep.specs, fmap, eos=0, max_running=ep.batcher_kw["max_running"])
+    model = ToySpecModel(ToyModel(vocab=ep.vocab), k=2, error_rate=0.3, seed=ep.seed + ep.index)
+    return sched, OverlapRuntime(SpecStep(model), fmap, overlap=overlap, faults=plan, trace=False)
+
+
 def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, report: SoakReport) -> int:
     """Run one episode overlapped on ``fmap``; returns its steps. Failures go to ``report``."""
     where = f"episode {ep.index} (--seed {ep.seed} --only-episode {ep.index})"
     plan = FaultPlan(**ep.plan_kw)
+    if ep.spec:
+        return run_spec_episode(ep, fmap, max_steps, check, report, plan, where)
     sched = AbortingBatcher(ep.specs, fmap, dict(ep.aborts), grammar=ep.grammar, **ep.batcher_kw)
     runtime = OverlapRuntime(ToyModel(vocab=ep.vocab), fmap, overlap=True, faults=plan, trace=False)
     raised: BaseException | None = None
@@ -179,6 +195,53 @@ def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, repor
         diff = compare(ep, sync, sched.outputs)
         if diff is not None:
             report.failures.append(f"{where}: overlap differs from sync: {diff}")
+    return steps
+
+
+def run_spec_episode(
+    ep: Episode, fmap: FutureMap, max_steps: int, check: bool, report: SoakReport, plan: FaultPlan, where: str
+) -> int:
+    """A speculative episode: overlapped greedy spec decoding must equal plain greedy decoding."""
+    sched, runtime = spec_parts(ep, fmap, True, plan)
+    raised: BaseException | None = None
+    steps = 0
+    try:
+        steps = runtime.run(sched, max_steps=max_steps).steps
+    except InjectedFault as exc:
+        raised = exc
+    except Exception:
+        report.failures.append(f"{where} (speculative): unexpected exception\n{traceback.format_exc()}")
+    report.faults.update(plan.injected)
+    report.episodes += 1
+    report.spec_episodes += 1
+    report.debug_episodes += ep.debug
+    fired = sum(v for k, v in plan.injected.items() if k.startswith("raise_"))
+    if raised is not None:
+        report.raised_episodes += 1
+        if not fired:
+            report.failures.append(f"{where}: InjectedFault without a planned fault: {raised}")
+        # The run stopped at the fault: count its schedule calls toward the step budget.
+        steps = max(steps, sched.tick)
+    elif fired:
+        report.failures.append(f"{where}: a planned fault fired but run() did not raise it")
+    if fmap.in_use:
+        report.failures.append(f"{where}: {fmap.in_use} slot(s) still in use after the speculative episode")
+    if stream_threads():
+        report.failures.append(f"{where}: a forward-stream thread outlived its run")
+    finished = raised is None and len(sched.outputs) == len(ep.specs)
+    if finished and check and not report.failures:
+        report.equivalence_checked += 1
+        # Greedy acceptance: the committed tokens equal plain greedy decoding of the target.
+        diff = first_difference(
+            reference_outputs(ep.specs, eos=0, target=ToyModel(vocab=ep.vocab)),
+            sched.outputs,
+            ("plain decoding", "overlapped speculative"),
+        )
+        if diff is not None:
+            report.failures.append(f"{where}: speculative decoding differs: {diff}")
+    if finished:
+        report.requests += len(ep.specs)
+        report.tokens += sum(len(t) for t in sched.outputs.values())
     return steps
 
 

@@ -139,9 +139,12 @@ class SpecBatcher:
         self.tick += 1
         self.running = [r for r in self.running if not r.finished]
         # One fresh slot per running request per step: admit only what the map can hold.
+        # Every running request takes a fresh slot per step while its previous step's slot is
+        # still held (the next step reads its drafts there): at most capacity // 2 can run.
+        cap = min(self.max_running, self.fmap.capacity // 2)
         while (
             self.waiting
-            and len(self.running) < self.max_running
+            and len(self.running) < cap
             and self.waiting[0].arrival <= self.tick
             and self.fmap.free > len(self.running)
         ):
