@@ -1,9 +1,10 @@
 """tfuture: future slots, resolve/store kernels and an overlap runtime for LLM serving.
 
-Layers, each importing only those above it in this list: ``errors``; ``slots`` (host slot
-bookkeeping, ``FutureIndices``); ``kernels``; ``debug`` (device slot states); ``futures``
-(``FutureMap``); ``fields``; ``streams``, ``staging``, ``stats``, ``faults``; ``batch``,
-``steps``, ``speculative``; ``runtime``; ``testing``.
+Layers, each importing only those above it in this list: ``errors``, ``args``; ``slots`` (host
+slot bookkeeping, ``FutureIndices``); ``kernels``; ``debug`` (device slot states); ``futures``
+(``FutureMap``); ``fields``; ``stream_base``, ``streams``, ``staging``, ``stats``, ``faults``;
+``batch``, ``steps``, ``token_step``, ``speculative``; ``runtime``; ``testing``, ``models``,
+``examples``.
 """
 
 from tfuture.errors import FutureError, FutureMapFull

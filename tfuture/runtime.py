@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from tfuture.args import as_count
 from tfuture.batch import Model, Scheduler
 from tfuture.errors import raise_if_flagged
 from tfuture.faults import FaultPlan
 from tfuture.futures import FutureIndices, FutureMap
-from tfuture.slots import as_count
 from tfuture.staging import StagingRing
 from tfuture.stats import RunStats
 from tfuture.steps import InFlight, Op, StepKind

@@ -20,19 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tfuture.args import as_count, host_index
 from tfuture.errors import FutureError, FutureMapFull
-
-
-def as_count(name: str, n: object, what: str = "count") -> int:
-    """``n`` (any integer, numpy's too) as a Python int >= 0, else a ``TypeError``/``ValueError``
-    naming ``name``."""
-    if type(n) is not int:
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-            raise TypeError(f"{name} expects an int {what}, got {type(n).__name__}")
-        n = int(n)
-    if n < 0:
-        raise ValueError(f"{name} expects {'n' if what == 'slot count' else 'an int'} >= 0, got {n}")
-    return n
 
 
 class SlotPool:
@@ -288,7 +277,7 @@ class FutureIndices:
         ``keep`` is copied to the host (a sync); pass host masks on the hot path.
         """
         self.check_live("filter")
-        idx = _host_index(keep, self._n)
+        idx = host_index(keep, self._n)
         slots = self.slots[idx]
         # A mask keeps a duplicate-free handle duplicate-free; indices may repeat rows.
         dups = False if idx.dtype == np.bool_ and self._dups is False else None
@@ -351,39 +340,3 @@ def _unique(a: np.ndarray) -> np.ndarray:
     """Sorted distinct values (sort and compare: several times faster than np.unique here)."""
     a = np.sort(a)
     return a[np.concatenate(([True], a[1:] != a[:-1]))] if a.size else a
-
-
-def _host_index(keep: object, n: int) -> np.ndarray:
-    """Validate ``keep`` and return it as a numpy bool mask or int64 index array."""
-    if isinstance(keep, torch.Tensor):
-        if keep.dim() != 1:
-            raise ValueError(f"keep must be 1-D, got shape {tuple(keep.shape)}")
-        if keep.device.type == "meta":
-            raise ValueError("keep must hold data (a cpu or cuda tensor), got a tensor on the meta device")
-        arr = keep.detach().cpu().numpy()
-    elif isinstance(keep, np.ndarray | list | tuple | range):
-        arr = np.asarray(keep)
-        if arr.size == 0 and not isinstance(keep, np.ndarray):
-            arr = arr.astype(np.int64)  # [] is float64 to numpy: an empty index
-    else:
-        raise TypeError(f"keep must be a bool mask or an int index tensor, got {type(keep).__name__}")
-    if arr.ndim != 1:
-        raise ValueError(f"keep must be 1-D, got shape {arr.shape}")
-    if arr.dtype == np.bool_:
-        if arr.size != n:
-            raise ValueError(f"keep as a bool mask must have {n} entries, got {arr.size}")
-        return arr
-    if arr.dtype == np.uint8:
-        # torch's old mask dtype: read as indices it would keep the wrong rows, silently.
-        raise TypeError(
-            "keep must be a bool mask or an int index tensor, got uint8 "
-            "(ambiguous: pass keep.bool() for a mask, int64 for indices)"
-        )
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"keep must be bool or integer, got dtype {arr.dtype}")
-    if arr.size:
-        # As Python ints: a uint64 past int64 would wrap to a negative in an int64 cast.
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < -n or hi >= n:
-            raise ValueError(f"keep indices must lie in [-{n}, {n}), got {lo}..{hi}")
-    return arr.astype(np.int64, copy=False)

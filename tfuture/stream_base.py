@@ -1,0 +1,109 @@
+"""The forward stream's interface: :class:`ForwardStream`, its :class:`Marker` and :class:`Span`.
+
+The backends (CPU worker, inline, CUDA) are in :mod:`tfuture.streams`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Span:
+    """One op on the forward stream: name, step, start and end in seconds (perf_counter)."""
+
+    name: str
+    step: int
+    start: float
+    end: float
+
+
+@dataclass(slots=True, eq=False)
+class Marker:
+    """A point on the forward stream after all work submitted before it: the ``seq``-th op of a
+    CPU stream (no object per marker to build or signal), or a recorded CUDA event."""
+
+    seq: int = 0
+    cuda_event: torch.cuda.Event | None = None
+
+
+Delay = Callable[[str], float]
+
+
+class ForwardStream(ABC):
+    """Common part: the error slot, the span log, the optional delay hook."""
+
+    def __init__(self, delay: Delay | None = None, trace: bool = True) -> None:
+        self.delay = delay
+        self.trace = trace
+        self.spans: list[Span] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _fail(self, exc: BaseException, name: str, step: int) -> None:
+        with self._lock:
+            if self._error is None:
+                note = f"tfuture: raised on the forward stream in '{name}' of step {step}"
+                if hasattr(exc, "add_note"):  # Python >= 3.11; a GPU image may run an older one
+                    exc.add_note(note)
+                self._error = exc
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the first exception of submitted work, with its original traceback."""
+        err = self._error
+        if err is not None:
+            raise err
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    @abstractmethod
+    def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
+        """Enqueue ``fn`` (op ``name`` of step ``step``) after everything submitted before."""
+
+    def submit_ops(self, step: int, ops: Sequence[tuple[str, Callable[[], object]]]) -> None:
+        """Enqueue ``ops`` in order, as :meth:`submit` would one by one. A backend may hand them
+        over as one unit of work (the CPU worker takes one queue item): fewer hand-offs per step,
+        with the same per-op delays, spans and failure notes."""
+        for name, fn in ops:
+            self.submit(name, step, fn)
+
+    def _run_op(self, name: str, step: int, fn: Callable[[], object]) -> None:
+        """Run one op on the calling thread: skip it after a failure, else delay, run, trace."""
+        if self._error is not None:
+            return
+        try:
+            if self.delay is not None:
+                pause = self.delay(name)
+                if pause > 0:
+                    time.sleep(pause)
+            if not self.trace:
+                fn()
+                return
+            start = time.perf_counter()
+            fn()
+            self.spans.append(Span(name, step, start, time.perf_counter()))
+        except BaseException as exc:
+            self._fail(exc, name, step)
+
+    @abstractmethod
+    def record(self) -> Marker:
+        """Backend-specific."""
+
+    @abstractmethod
+    def wait(self, marker: Marker) -> None:
+        """Backend-specific."""
+
+    def close(self) -> None:  # noqa: B027 - a no-op is right for backends with nothing to stop
+        """Drain the stream and stop; idempotent."""
+
+    def take_spans(self) -> list[Span]:
+        spans, self.spans = self.spans, []
+        return spans
