@@ -1,4 +1,4 @@
-"""Tools to test an overlap integration: toy models, a grammar, a driver, an equivalence check."""
+"""Tools to test an overlap integration: toy models, a grammar, a scheduler, an equivalence check."""
 
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
 from tfuture.testing.equivalence import (
