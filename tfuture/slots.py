@@ -211,11 +211,15 @@ class FutureIndices:
     @property
     def slots(self) -> np.ndarray:
         """``[n]`` int64 host array (a read-only view) of the 1-based slot numbers."""
-        if self._slots is None:
-            self._slots = np.arange(self._start, self._start + self._n, dtype=np.int64)
-        view = self._slots.view()
+        view = self._array().view()
         view.flags.writeable = False
         return view
+
+    def _array(self) -> np.ndarray:
+        """The slot array itself (built on first use for a lazy run); never handed out."""
+        if self._slots is None:
+            self._slots = np.arange(self._start, self._start + self._n, dtype=np.int64)
+        return self._slots
 
     @property
     def span(self) -> range | None:
@@ -262,7 +266,7 @@ class FutureIndices:
         dev = self._pool.device
         if self._start >= 0:
             return torch.arange(-self._start, -self._start - self._n, -1, dtype=dtype, device=dev)
-        return torch.from_numpy(-self.slots).to(device=dev, dtype=dtype, non_blocking=True)
+        return torch.from_numpy(-self._array()).to(device=dev, dtype=dtype, non_blocking=True)
 
     def __copy__(self) -> FutureIndices:
         raise TypeError("a FutureIndices cannot be copied (a copy holds no slot reference); use filter()")
@@ -278,7 +282,7 @@ class FutureIndices:
         """
         self.check_live("filter")
         idx = host_index(keep, self._n)
-        slots = self.slots[idx]
+        slots = self._array()[idx]
         # A mask keeps a duplicate-free handle duplicate-free; indices may repeat rows.
         dups = False if idx.dtype == np.bool_ and self._dups is False else None
         self._pool.retain(slots, dups is False)
@@ -300,7 +304,7 @@ class FutureIndices:
         for h in handles[1:]:
             if h._pool is not pool:
                 raise ValueError("cat expects handles of one FutureMap, got handles of two maps")
-        slots = np.concatenate([h.slots for h in handles])
+        slots = np.concatenate([h._array() for h in handles])
         parts = [h for h in handles if len(h)]
         dups = parts[0]._dups if len(parts) == 1 else (False if not parts else None)
         pool.retain(slots, dups is False)
@@ -312,7 +316,7 @@ class FutureIndices:
     def has_duplicates(self) -> bool:
         """True if a slot appears twice (computed once, by sorting: cheaper than np.unique)."""
         if self._dups is None:
-            srt = np.sort(self.slots)
+            srt = np.sort(self._array())
             self._dups = bool(srt.size > 1 and (srt[1:] == srt[:-1]).any())
         return self._dups
 
@@ -321,7 +325,7 @@ class FutureIndices:
         if self._released:
             raise ValueError(f"{what}: expected a live FutureIndices, got a released one")
         if self._gens is not None:
-            self._pool.check_generations(self.slots, self._gens, what)
+            self._pool.check_generations(self._array(), self._gens, what)
 
     def drop_references(self, want_freed: bool = False) -> np.ndarray | None:
         """Give this handle's references back to its pool; the freed slots if ``want_freed``.
@@ -333,7 +337,7 @@ class FutureIndices:
             return np.empty(0, dtype=np.int64) if want_freed else None
         if self._start >= 0:
             return self._pool.unref_run(self._start, self._n, want_freed)
-        return self._pool.unref(self.slots, not self.has_duplicates(), want_freed)
+        return self._pool.unref(self._array(), not self.has_duplicates(), want_freed)
 
 
 def _unique(a: np.ndarray) -> np.ndarray:

@@ -143,24 +143,30 @@ def run_sync(ep: Episode) -> tuple[dict[int, list[int]], int]:
     return sched.outputs, stats.steps
 
 
-def spec_parts(ep: Episode, fmap: FutureMap, overlap: bool, plan: FaultPlan | None) -> tuple[Any, Any]:
+def spec_parts(ep: Episode, fmap: FutureMap, plan: FaultPlan) -> tuple[SpecBatcher, OverlapRuntime]:
     """The scheduler and runtime of a speculative episode: k = 2 drafts, 30% of them wrong."""
     sched = SpecBatcher(ep.specs, fmap, eos=0, max_running=ep.batcher_kw["max_running"])
     model = ToySpecModel(ToyModel(vocab=ep.vocab), k=2, error_rate=0.3, seed=ep.seed + ep.index)
-    return sched, OverlapRuntime(SpecStep(model), fmap, overlap=overlap, faults=plan, trace=False)
+    return sched, OverlapRuntime(SpecStep(model), fmap, overlap=True, faults=plan, trace=False)
 
 
-def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, report: SoakReport) -> int:
-    """Run one episode overlapped on ``fmap``; returns its steps. Failures go to ``report``."""
-    where = f"episode {ep.index} (--seed {ep.seed} --only-episode {ep.index})"
-    plan = FaultPlan(**ep.plan_kw)
-    if ep.spec:
-        return run_spec_episode(ep, fmap, max_steps, check, report, plan, where)
-    sched = AbortingBatcher(ep.specs, fmap, dict(ep.aborts), grammar=ep.grammar, **ep.batcher_kw)
-    runtime = OverlapRuntime(ToyModel(vocab=ep.vocab), fmap, overlap=True, faults=plan, trace=False)
+def run_checked(
+    ep: Episode,
+    runtime: OverlapRuntime,
+    sched: Any,
+    fmap: FutureMap,
+    plan: FaultPlan,
+    max_steps: int,
+    report: SoakReport,
+    where: str,
+) -> tuple[BaseException | None, int]:
+    """Run one episode overlapped and apply the checks every kind of episode shares: a planned
+    fault raises and only a planned one, no slot in use, no thread left. Returns the injected
+    fault (or None) and the steps the run reported (0 when it raised)."""
     raised: BaseException | None = None
+    steps = 0
     try:
-        runtime.run(sched, max_steps=max_steps)
+        steps = runtime.run(sched, max_steps=max_steps).steps
     except InjectedFault as exc:
         raised = exc
     except Exception:
@@ -168,9 +174,6 @@ def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, repor
     report.faults.update(plan.injected)
     report.episodes += 1
     report.debug_episodes += ep.debug
-    steps = sched.batches
-    if plan.gc_every_step:
-        report.gc_steps += steps
     fired = sum(v for k, v in plan.injected.items() if k.startswith("raise_"))
     if raised is not None:
         report.raised_episodes += 1
@@ -182,6 +185,21 @@ def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, repor
         report.failures.append(f"{where}: {fmap.in_use} slot(s) still in use after the episode")
     if stream_threads():
         report.failures.append(f"{where}: a forward-stream thread outlived its run")
+    return raised, steps
+
+
+def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, report: SoakReport) -> int:
+    """Run one episode overlapped on ``fmap``; returns its steps. Failures go to ``report``."""
+    where = f"episode {ep.index} (--seed {ep.seed} --only-episode {ep.index})"
+    plan = FaultPlan(**ep.plan_kw)
+    if ep.spec:
+        return run_spec_episode(ep, fmap, max_steps, check, report, plan, where)
+    sched = AbortingBatcher(ep.specs, fmap, dict(ep.aborts), grammar=ep.grammar, **ep.batcher_kw)
+    runtime = OverlapRuntime(ToyModel(vocab=ep.vocab), fmap, overlap=True, faults=plan, trace=False)
+    raised, _ = run_checked(ep, runtime, sched, fmap, plan, max_steps, report, where)
+    steps = sched.batches
+    if plan.gc_every_step:
+        report.gc_steps += steps
     done = raised is None and sched.idle
     if done:
         report.requests += len(ep.specs)
@@ -202,32 +220,14 @@ def run_spec_episode(
     ep: Episode, fmap: FutureMap, max_steps: int, check: bool, report: SoakReport, plan: FaultPlan, where: str
 ) -> int:
     """A speculative episode: overlapped greedy spec decoding must equal plain greedy decoding."""
-    sched, runtime = spec_parts(ep, fmap, True, plan)
-    raised: BaseException | None = None
-    steps = 0
-    try:
-        steps = runtime.run(sched, max_steps=max_steps).steps
-    except InjectedFault as exc:
-        raised = exc
-    except Exception:
-        report.failures.append(f"{where} (speculative): unexpected exception\n{traceback.format_exc()}")
-    report.faults.update(plan.injected)
-    report.episodes += 1
+    sched, runtime = spec_parts(ep, fmap, plan)
+    raised, steps = run_checked(ep, runtime, sched, fmap, plan, max_steps, report, f"{where} (speculative)")
     report.spec_episodes += 1
-    report.debug_episodes += ep.debug
-    fired = sum(v for k, v in plan.injected.items() if k.startswith("raise_"))
     if raised is not None:
-        report.raised_episodes += 1
-        if not fired:
-            report.failures.append(f"{where}: InjectedFault without a planned fault: {raised}")
         # The run stopped at the fault: count its schedule calls toward the step budget.
         steps = max(steps, sched.tick)
-    elif fired:
-        report.failures.append(f"{where}: a planned fault fired but run() did not raise it")
-    if fmap.in_use:
-        report.failures.append(f"{where}: {fmap.in_use} slot(s) still in use after the speculative episode")
-    if stream_threads():
-        report.failures.append(f"{where}: a forward-stream thread outlived its run")
+    if plan.gc_every_step:
+        report.gc_steps += steps
     finished = raised is None and len(sched.outputs) == len(ep.specs)
     if finished and check and not report.failures:
         report.equivalence_checked += 1
