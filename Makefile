@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# Pinned for the dev environment only: torch==2.13.0 is the CPU wheel on these machines.
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[dev,perf,hf]'
+	$(VENV)/bin/pip install -q -e '.[dev,perf,hf,grammar]'
 	touch $@
 
 test: $(STAMP)

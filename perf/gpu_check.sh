@@ -21,7 +21,10 @@ PY=python3
 
 # The whole suite on CUDA: the kernel, map and runtime tests pick the cuda device when present,
 # and the gpu-marked tests run too. Its own time limit leaves the perf sweep its share.
-timeout "${TEST_TIMEOUT_S:-240}" $PY -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log"
+# pytest-xdist and pytest-timeout are in the image: 8 workers, and no test may hang the check.
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
+timeout "${TEST_TIMEOUT_S:-240}" $PY -m pytest -q -p no:cacheprovider $XDIST --timeout 120 --continue-on-collection-errors tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
 test_rc=${PIPESTATUS[0]}
 
 # A time limit of our own, so that a slow run still leaves its partial results to pack.

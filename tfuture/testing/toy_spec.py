@@ -96,7 +96,7 @@ class ToySpecModel:
         ) / 64
         return {
             "draft_tokens": torch.stack(drafts, 1) if drafts else last.new_zeros((n, 0)),
-            "draft_probs": torch.stack(probs, 1) if probs else torch.zeros((n, 0)),
+            "draft_probs": torch.stack(probs, 1) if probs else torch.zeros((n, 0), device=last.device),
             "hidden": hidden.to(torch.bfloat16).reshape(n, self.hidden),
         }
 
