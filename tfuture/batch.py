@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from tfuture.sampling import check_packed_params
 from tfuture.slots import FutureIndices
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -50,7 +51,13 @@ class Batch:
             or the last chunk of a prefill). ``out`` gets one slot per sampling request, in order.
         consumes: handles whose placeholders appear in ``tokens``. The runtime takes them over
             and releases them once the step's resolve is enqueued.
-        delayed: sample only after the previous step's results were processed (a grammar mask).
+        delayed: sample only after the previous step's results were processed (a grammar mask):
+            ``True`` for the whole step, or a bool array ``[n_reqs]`` naming the requests whose
+            token waits (only those rows wait; the others sample right after the forward).
+            Entries of requests that do not sample are ignored.
+        sampling: ``[n_reqs, PARAM_WORDS]`` int64, every request's packed
+            :class:`tfuture.sampling.SamplingParams` (``pack_params``), or ``None`` (greedy, or the
+            model's own ``sample``). It reaches the device in the step's one H2D copy.
         ended: request ids that appear in no step from this one on (finished or aborted); the
             model's optional ``release`` hears them on the forward stream before this step.
         tag: anything the scheduler wants back in the :class:`StepResult`.
@@ -64,11 +71,12 @@ class Batch:
     req_ids: np.ndarray
     sample: np.ndarray
     consumes: list[FutureIndices] = field(default_factory=list)
-    delayed: bool = False
+    delayed: bool | np.ndarray = False
     tag: Any = None
     out: FutureIndices | None = None
     step: int = -1
     ended: np.ndarray = field(default_factory=lambda: _NO_IDS)
+    sampling: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         check_consumes("Batch", self.consumes)
@@ -84,6 +92,15 @@ class Batch:
             raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
         if n and self.prefix_lens.min() < 0:
             raise ValueError(f"Batch.prefix_lens must be >= 0, got min {self.prefix_lens.min()}")
+        if not isinstance(self.delayed, bool | np.bool_):
+            d = self.delayed
+            if not isinstance(d, np.ndarray) or d.dtype != np.bool_ or d.shape != (n,):
+                got = f"{d.dtype} array of shape {d.shape}" if isinstance(d, np.ndarray) else type(d).__name__
+                raise TypeError(
+                    f"Batch.delayed must be a bool or a bool numpy array of {n} entries, got {got}"
+                )
+        if self.sampling is not None:
+            self.sampling = check_packed_params(self.sampling, n)
         if int(self.seg_lens.sum()) != self.tokens.size:
             want = int(self.seg_lens.sum())
             raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {self.tokens.size}")
@@ -148,6 +165,10 @@ class StepResult:
 class Model(Protocol):
     """What the runtime drives. Both methods run on the forward stream.
 
+    ``sample`` is optional: without it (or with ``OverlapRuntime(..., sampler=...)``) the runtime
+    samples with :class:`tfuture.sampling.Sampler` (per-request parameters from
+    :attr:`Batch.sampling`, packed bitmasks applied on the device).
+
     Optional, called when present: ``release(req_ids: np.ndarray)`` on the forward stream after
     the last forward of those requests (the extra step included), when the scheduler says they
     ended (:attr:`Batch.ended`), so the model can free their KV cache; ``close()`` on the host
@@ -170,4 +191,13 @@ class Scheduler(Protocol):
 
     def process(self, result: StepResult) -> None: ...
 
-    def build_mask(self, batch: Batch) -> np.ndarray | torch.Tensor | None: ...
+    def build_mask(self, batch: Batch) -> np.ndarray | torch.Tensor | None:
+        """The allowed tokens of a delayed step's waiting rows, on the host.
+
+        Rows: every sampling request when ``batch.delayed`` is ``True``; else the requests
+        ``np.flatnonzero(batch.sample & batch.delayed)``, in batch order. Either a bool
+        ``[rows, vocab]`` mask or a packed int32 ``[rows, ceil(vocab / 32)]`` bitmask (bit ``j``
+        of word ``w`` allows token ``32 * w + j``: the xgrammar / llguidance layout), numpy or a
+        torch tensor. A row that allows no token raises ``ValueError``.
+        """
+        ...

@@ -24,6 +24,7 @@ from tfuture.batch import Model, Scheduler
 from tfuture.errors import raise_if_flagged
 from tfuture.faults import FaultPlan
 from tfuture.futures import FutureIndices, FutureMap
+from tfuture.sampling import Sampler
 from tfuture.staging import StagingRing
 from tfuture.stats import RunStats
 from tfuture.steps import InFlight, Op, StepKind
@@ -55,6 +56,9 @@ class OverlapRuntime:
         n_staging: host staging buffers per direction (at least 3: two steps in flight).
         buckets: pad every token step to these shapes (:class:`tfuture.token_step.Buckets`),
             so a model can capture one CUDA graph per bucket; for a plain model only.
+        sampler: a :class:`tfuture.sampling.Sampler` that samples every token step (per-request
+            parameters from ``Batch.sampling``, packed bitmasks, only grammar rows wait) instead
+            of the model's ``sample``; a model without ``sample`` gets ``Sampler()``.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class OverlapRuntime:
         trace: bool = True,
         n_staging: int = 4,
         buckets: Buckets | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         if not isinstance(fmap, FutureMap):
             raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
@@ -79,9 +84,11 @@ class OverlapRuntime:
             raise ValueError(f"stream must be one of {BACKENDS}, got {stream!r}")
         if faults is not None and not isinstance(faults, FaultPlan):
             raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
-        if isinstance(model, StepKind) and buckets is not None:
-            raise ValueError("buckets pads token steps: pass them to a plain model, not to a step kind")
-        self.kind: StepKind = model if isinstance(model, StepKind) else TokenStep(model, buckets)
+        if isinstance(model, StepKind) and (buckets is not None or sampler is not None):
+            raise ValueError(
+                "buckets and sampler are for token steps: pass them to a plain model, not to a step kind"
+            )
+        self.kind: StepKind = model if isinstance(model, StepKind) else TokenStep(model, buckets, sampler)
         self.kind.bind(fmap)
         self.fmap, self.overlap, self.faults, self.trace, self.backend = fmap, overlap, faults, trace, stream
         self.delay = delay if delay is not None or faults is None else faults.delay
@@ -189,12 +196,16 @@ class OverlapRuntime:
         try:
             if getattr(batch, "out", None) is not None:
                 raise ValueError("schedule() returned a batch that was already launched")
+            if hasattr(batch, "step"):
+                batch.step = self._step  # for the kind's messages; -1 again if the launch fails
             plan = kind.plan(batch)
             sizes = [part.size for part in plan.inputs]
             total = sum(sizes)
             staging = self._in_ring.acquire(total, stream)
             out = fmap.alloc(plan.n_out)
         except BaseException:
+            if hasattr(batch, "step"):
+                batch.step = -1
             fmap.release_live(consumes)
             raise
         batch.out, batch.step = out, self._step

@@ -17,8 +17,12 @@ import torch
 
 from tfuture.batch import Batch, ForwardBatch, HostMeta, Model, StepResult
 from tfuture.futures import FutureMap
+from tfuture.kernels.bitmask import empty_bitmask_rows, unpack_bitmask
 from tfuture.kernels.resolve import PreparedInputs
+from tfuture.sampling import Sampler, SamplerPlan
 from tfuture.steps import InFlight, Op, StepKind, StepPlan
+
+_NO_ROWS = np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,25 +52,51 @@ class Buckets:
 
 @dataclass(slots=True, eq=False)
 class TokenState:
+    """One token step's record. ``late``: the sampling rows (indices into ``sample_reqs``) that
+    sample after the mask, ``now`` the others; ``mask_rows`` the rows the scheduler's mask
+    covers (``late``, unless the model's own sample takes every row of a step with a few
+    waiting rows)."""
+
     sample_reqs: np.ndarray
     host: HostMeta
     ended: np.ndarray
     n_rows: int
+    late: np.ndarray
+    now: np.ndarray
+    mask_rows: np.ndarray
+    splan: SamplerPlan | None = None
     fwd: ForwardBatch | None = None
     logits: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    sstate: Any = None
+    late_dev: torch.Tensor | None = None
+    now_dev: torch.Tensor | None = None
 
 
 class TokenStep(StepKind):
-    """The step of a :class:`tfuture.batch.Model`, padded to ``buckets`` if given."""
+    """The step of a :class:`tfuture.batch.Model`, padded to ``buckets`` if given.
 
-    def __init__(self, model: Model, buckets: Buckets | None = None) -> None:
+    Sampling: with a :class:`tfuture.sampling.Sampler` (given, or the default one for a model
+    without ``sample``), per-request parameters come from :attr:`Batch.sampling`, a delayed step
+    samples its non-waiting rows right after the forward and only its waiting rows after the
+    mask, and packed bitmasks are applied on the device. With the model's own ``sample``, a step
+    with any waiting row waits whole, and the model gets a bool mask.
+    """
+
+    def __init__(self, model: Model, buckets: Buckets | None = None, sampler: Sampler | None = None) -> None:
         if buckets is not None and not isinstance(buckets, Buckets):
             raise TypeError(f"buckets must be a Buckets or None, got {type(buckets).__name__}")
-        self.model, self.buckets = model, buckets
+        if sampler is not None and not isinstance(sampler, Sampler):
+            raise TypeError(
+                f"sampler must be a tfuture.sampling.Sampler or None, got {type(sampler).__name__}"
+            )
+        if sampler is None and not callable(getattr(model, "sample", None)):
+            sampler = Sampler()
+        self.model, self.buckets, self.sampler = model, buckets, sampler
         self.fmap: FutureMap | None = None
         self._outs: dict[tuple[int, int], PreparedInputs] = {}
+        self._vocab: int | None = None  # logits width, once a step sampled (for mask checks)
 
     def bind(self, fmap: FutureMap) -> None:
         self.fmap = fmap
@@ -95,16 +125,55 @@ class TokenStep(StepKind):
             n_tok,
             int(batch.seg_lens.max()) if n_reqs else 0,
         )
-        inputs = (batch.tokens, seg_starts, prefix, rids, lens, sample_reqs)
-        return StepPlan(int(sample_reqs.size), inputs, TokenState(sample_reqs, host, batch.ended, n_rows))
+        late, now, mask_rows = self._split_rows(batch, sample_reqs)
+        inputs = [batch.tokens, seg_starts, prefix, rids, lens, sample_reqs]
+        splan = None
+        if self.sampler is not None:
+            splan = self.sampler.plan(
+                batch.sampling,
+                batch.req_ids,
+                batch.seg_lens,
+                batch.prefix_lens,
+                sample_reqs,
+                batch.ended,
+                batch.step,
+            )
+            if late.size and now.size:
+                inputs += [late, now]
+            inputs.append(splan.words)
+        elif batch.sampling is not None:
+            raise ValueError(
+                "Batch.sampling needs tfuture's sampler, but the model samples itself: pass "
+                "OverlapRuntime(..., sampler=Sampler()) (or give the model no sample method)"
+            )
+        state = TokenState(sample_reqs, host, batch.ended, n_rows, late, now, mask_rows, splan)
+        return StepPlan(int(sample_reqs.size), inputs, state)
+
+    def _split_rows(self, batch: Batch, sample_reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``."""
+        rows = np.arange(sample_reqs.size, dtype=np.int64)
+        d = batch.delayed
+        if not isinstance(d, np.ndarray):
+            return (rows, _NO_ROWS, rows) if d else (_NO_ROWS, rows, _NO_ROWS)
+        waits = d[sample_reqs]
+        if not waits.any():
+            return _NO_ROWS, rows, _NO_ROWS
+        if waits.all():
+            return rows, _NO_ROWS, rows
+        if self.sampler is None:
+            return rows, _NO_ROWS, rows[waits]  # the model's own sample takes every row at once
+        return rows[waits], rows[~waits], rows[waits]
 
     def delayed(self, batch: Batch) -> bool:
-        return batch.delayed
+        d = batch.delayed
+        if isinstance(d, np.ndarray):
+            return bool(d[batch.sample].any())
+        return bool(d)
 
     def prepare(self, rec: InFlight, inputs: Sequence[torch.Tensor]) -> None:
         fmap, state = self.fmap, rec.state
         assert fmap is not None
-        tokens, seg, prefix, rids, lens, sreq = inputs
+        tokens, seg, prefix, rids, lens, sreq = inputs[:6]
         out = None
         if self.buckets is not None:
             key = (state.n_rows, prefix.numel())
@@ -120,6 +189,12 @@ class TokenStep(StepKind):
         prepared = fmap.launch_prepare(tokens, seg, prefix, state.n_rows, out)
         sample_rows = prepared.last_rows.index_select(0, sreq)
         state.fwd = ForwardBatch(rec.step, *prepared, rids, lens, sreq, sample_rows, seg, state.host)
+        if self.sampler is not None:
+            assert state.splan is not None
+            if len(inputs) == 9:
+                state.late_dev, state.now_dev = inputs[6], inputs[7]
+            state.sstate = self.sampler.prepare(state.splan, inputs[-1])
+            self.sampler.observe(state.sstate, prepared.input_ids)
 
     def forward_ops(self, rec: InFlight) -> list[Op]:
         state, model = rec.state, self.model
@@ -136,7 +211,34 @@ class TokenStep(StepKind):
             state.logits = logits
 
         ops.append(("forward", forward))
+        if self.sampler is not None and state.late.size and state.now.size:
+            # Only the waiting rows wait: the others sample now, while the host builds the mask.
+            ops.append(("sample_now", lambda: self._sample_rows(rec, state.now_dev, None)))
         return ops
+
+    def _sample_rows(self, rec: InFlight, rows: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+        """On the stream: sample ``rows`` (all when None) of the step with tfuture's sampler,
+        into ``state.sampled``; ``mask`` bool or packed int32 for those rows."""
+        state, sampler, n = rec.state, self.sampler, len(rec.out)
+        assert sampler is not None and state.logits is not None
+        logits = _check_logits(state.logits, n, rec.step)
+        self._vocab = int(logits.shape[1])
+        if mask is not None:
+            _check_width(mask, self._vocab, rec.step)  # the host checks it once the vocab is known
+        if rows is not None:
+            logits = logits.index_select(0, rows)
+        bitmask = None
+        if mask is not None and mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            bitmask = mask
+        tokens = sampler.sample(state.sstate, logits, rows, bitmask)
+        if rows is None:
+            state.sampled = tokens
+            return
+        if state.sampled is None:
+            state.sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
+        state.sampled.index_copy_(0, rows, tokens)
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
         fmap, model, state, n = self.fmap, self.model, rec.state, len(rec.out)
@@ -144,7 +246,10 @@ class TokenStep(StepKind):
         dev = fmap.device
         mask_ready = None
         if mask is not None:
-            state.mask = _check_mask(mask, state.sample_reqs, rec.step)
+            reqs = state.host.req_ids[state.sample_reqs[state.mask_rows]]
+            state.mask = _check_mask(mask, reqs, rec.step, self._vocab)
+            if state.mask_rows.size < state.late.size:
+                state.mask = _widen(state.mask, state.mask_rows, state.late.size)
             if dev.type == "cuda":
                 if state.mask.is_cuda:
                     # Built on the caller's stream: the forward stream must wait for it.
@@ -159,6 +264,14 @@ class TokenStep(StepKind):
             if mask_ready is not None:
                 torch.cuda.current_stream(dev).wait_event(mask_ready)
             mask_dev = None if state.mask is None else state.mask.to(dev, non_blocking=True)
+            if self.sampler is not None:
+                self._sample_rows(rec, state.late_dev if state.now.size else None, mask_dev)
+                return
+            if mask_dev is not None:
+                vocab = self._vocab = int(_check_logits(state.logits, n, rec.step).shape[1])
+                _check_width(mask_dev, vocab, rec.step)
+                if mask_dev.dtype != torch.bool:
+                    mask_dev = unpack_bitmask(mask_dev, vocab)
             tokens = model.sample(state.logits, state.fwd, mask_dev)
             if not isinstance(tokens, torch.Tensor) or tokens.shape != (n,):
                 got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
@@ -166,6 +279,8 @@ class TokenStep(StepKind):
             state.sampled = tokens.contiguous()
 
         def store() -> None:
+            if self.sampler is not None:
+                self.sampler.record(state.sstate, state.sampled)
             fmap.store(rec.out, state.sampled)
 
         return [("sample", sample), ("store", store)]
@@ -183,26 +298,66 @@ class TokenStep(StepKind):
         return int(result.tokens.size)
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.reset()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
 
 
-def _check_mask(mask: object, sample_reqs: np.ndarray, step: int) -> torch.Tensor:
-    """``mask`` as a bool ``[n_sample, vocab]`` tensor; on the host, every row allows a token."""
-    n = sample_reqs.size
-    t = torch.as_tensor(mask)
-    if t.dim() != 2 or t.shape[0] != n or t.dtype != torch.bool:
-        raise ValueError(
-            f"build_mask must return a bool [n_sample={n}, vocab] mask, "
-            f"got {t.dtype} of shape {tuple(t.shape)}"
+def _check_logits(logits: object, n: int, step: int) -> torch.Tensor:
+    """The forward's logits as the sampler needs them: a ``[n_sample, vocab]`` float tensor."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
+        got = (
+            f"{logits.dtype} {tuple(logits.shape)}"
+            if isinstance(logits, torch.Tensor)
+            else type(logits).__name__
         )
-    if not t.is_cuda and n:
+        raise ValueError(f"forward of step {step} must return [n_sample={n}, vocab] logits, got {got}")
+    return logits
+
+
+def _check_width(mask: torch.Tensor, vocab: int, step: int) -> None:
+    """Raise unless ``mask`` has the columns of ``vocab`` (bool) or ``ceil(vocab / 32)`` (packed)."""
+    width = vocab if mask.dtype == torch.bool else -(-vocab // 32)
+    if mask.shape[1] != width:
+        what = "vocab" if mask.dtype == torch.bool else "ceil(vocab / 32)"
+        raise ValueError(
+            f"build_mask of step {step}: the mask must have {what} = {width} columns for the model's "
+            f"vocab of {vocab}, got {mask.shape[1]}"
+        )
+
+
+def _widen(mask: torch.Tensor, rows: np.ndarray, n: int) -> torch.Tensor:
+    """A host ``mask`` of sampling rows ``rows`` as one of all ``n`` rows, the others allowing
+    every token (for a model that samples every row at once)."""
+    full = torch.full((n, mask.shape[1]), True if mask.dtype == torch.bool else -1, dtype=mask.dtype)
+    full[torch.from_numpy(rows)] = mask
+    return full
+
+
+def _check_mask(mask: object, reqs: np.ndarray, step: int, vocab: int | None) -> torch.Tensor:
+    """``mask`` for the waiting rows of requests ``reqs`` (their ids): a bool ``[m, vocab]``
+    mask or a packed int32 ``[m, ceil(vocab / 32)]`` bitmask; on the host, every row allows a
+    token (of the first ``vocab``, once known)."""
+    m = reqs.size
+    t = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(mask)
+    if t.dim() != 2 or t.shape[0] != m or t.dtype not in (torch.bool, torch.int32):
+        raise ValueError(
+            f"build_mask of step {step} must return a bool [rows={m}, vocab] mask or a packed int32 "
+            f"[rows={m}, ceil(vocab / 32)] bitmask, got {t.dtype} of shape {tuple(t.shape)}"
+        )
+    if vocab is not None:
+        _check_width(t, vocab, step)
+    if not t.is_cuda and m:
         # A row that allows nothing would sample token 0 silently; on the host this costs no sync.
-        empty = np.flatnonzero(~t.any(dim=1).numpy())
+        if t.dtype == torch.bool:
+            empty = np.flatnonzero(~t.any(dim=1).numpy())
+        else:
+            empty = empty_bitmask_rows(t, vocab)
         if empty.size:
             raise ValueError(
-                f"build_mask of step {step}: the mask row of request {int(sample_reqs[empty[0]])} in the "
-                f"batch (sampling row {int(empty[0])}) allows no token ({empty.size} such row(s))"
+                f"build_mask of step {step}: the mask row of request id {int(reqs[empty[0]])} "
+                f"(mask row {int(empty[0])}) allows no token ({empty.size} such row(s))"
             )
     return t

@@ -323,6 +323,6 @@ def test_u10_mask_row_that_allows_nothing_is_refused():
     mask = np.ones((2, VOCAB), dtype=bool)
     mask[1] = False
     sched = Scripted([one_batch(delayed=True)], mask=mask)
-    with pytest.raises(ValueError, match=r"step 0.*request 1.*allows no token"):
+    with pytest.raises(ValueError, match=r"step 0.*request id 1.*allows no token"):
         OverlapRuntime(ToyModel(vocab=VOCAB), fmap).run(sched)
     assert_clean(fmap)

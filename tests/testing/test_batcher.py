@@ -51,3 +51,29 @@ def test_finished_requests_are_reported_once_and_never_scheduled_again():
         assert not ended & later, "a reported request appears in this or a later step"
     assert reported and set(reported) <= set(sched.outputs)
     assert np.unique(reported).size == len(reported)
+
+
+def test_grammar_defaults_packed_masks_and_only_grammar_rows_wait():
+    from tfuture.testing import RequestSpec, ToyGrammar
+
+    fmap = FutureMap(16, device="cpu")
+    specs = [RequestSpec(i, 0, np.array([1, 2]), 4, i == 1) for i in range(3)]
+    sched = ContinuousBatcher(specs, fmap, grammar=ToyGrammar(64))
+    assert (sched.mask, sched.delay) == ("bitmask", "rows")
+    batch = sched.schedule()
+    assert batch.delayed.tolist() == [False, True, False]
+    assert sched.build_mask(batch).dtype == np.int32 and sched.build_mask(batch).shape == (1, 2)
+
+
+def test_a_subclass_with_its_own_whole_step_build_mask_keeps_the_old_rule():
+    from tfuture.testing import RequestSpec, ToyGrammar
+
+    class OwnMask(ContinuousBatcher):
+        def build_mask(self, batch):  # masks every sampling row, as before delay="rows"
+            return np.ones((len(batch.tag), 64), dtype=bool)
+
+    fmap = FutureMap(16, device="cpu")
+    specs = [RequestSpec(i, 0, np.array([1, 2]), 4, i == 1) for i in range(3)]
+    assert OwnMask(specs, fmap, grammar=ToyGrammar(64)).delay == "batch"
+    assert OwnMask(specs, fmap, grammar=ToyGrammar(64), delay="rows").delay == "rows"
+    assert OwnMask(specs, fmap, grammar=ToyGrammar(64)).schedule().delayed is True

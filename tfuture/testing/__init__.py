@@ -1,4 +1,5 @@
-"""Tools to test an overlap integration: toy models, a grammar, a scheduler, an equivalence check."""
+"""Tools to test an overlap integration: toy models, a grammar, a scheduler, an equivalence check,
+and a tokenizer trained locally (``tiny_tokenizer``; needs the ``grammar`` extra when called)."""
 
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
 from tfuture.testing.equivalence import (
@@ -8,15 +9,18 @@ from tfuture.testing.equivalence import (
     first_difference,
     run_workload,
 )
-from tfuture.testing.toy import ToyGrammar, ToyModel, device_work, greedy_sample
+from tfuture.testing.tokenizer import END_TOKEN, tiny_tokenizer
+from tfuture.testing.toy import ToyGrammar, ToyMatcher, ToyModel, device_work, greedy_sample
 from tfuture.testing.transformer import TinyTransformer
 
 __all__ = [
+    "END_TOKEN",
     "ContinuousBatcher",
     "EquivalenceReport",
     "RequestSpec",
     "TinyTransformer",
     "ToyGrammar",
+    "ToyMatcher",
     "ToyModel",
     "assert_equivalent",
     "check_equivalence",
@@ -25,4 +29,5 @@ __all__ = [
     "greedy_sample",
     "random_workload",
     "run_workload",
+    "tiny_tokenizer",
 ]

@@ -5,6 +5,12 @@ seen step N's tokens: a decode's input is then a placeholder from step N's ``out
 and a request that finished at step N (end token) still runs in step N+1, whose token is
 discarded (the extra step). Requests that reach their length limit are known finished
 without seeing the token, so they get no extra step.
+
+Structured output: a grammar request keeps one matcher (:class:`tfuture.grammars.Matcher`)
+from its grammar; :meth:`ContinuousBatcher.build_mask` fills a packed int32 bitmask row per
+delayed request, :meth:`ContinuousBatcher.process` feeds the matcher each sampled token, and
+the request finishes when its matcher terminates. Per-request sampling parameters
+(:class:`tfuture.sampling.SamplingParams`) travel as packed rows in ``Batch.sampling``.
 """
 
 from __future__ import annotations
@@ -17,18 +23,25 @@ import numpy as np
 
 from tfuture.batch import Batch, StepResult
 from tfuture.futures import FutureIndices, FutureMap
-from tfuture.testing.toy import ToyGrammar
+from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests, shared_vocab
+from tfuture.sampling import SamplingParams
+
+DELAYS = ("rows", "batch")
+_NO_ROW = np.empty(0, dtype=np.int64)  # a request's sampling row when no request has params
 
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """One request: id, arrival (in scheduler ticks), prompt, length limit, grammar or not."""
+    """One request: id, arrival (in scheduler ticks), prompt ``[n]`` int64, length limit,
+    grammar (False; True: the batcher's grammar; or a :class:`tfuture.grammars.Grammar` of its
+    own) and sampling parameters (None: the sampler's defaults, greedy)."""
 
     rid: int
     arrival: int
     prompt: np.ndarray
     max_new: int
-    grammar: bool = False
+    grammar: bool | Grammar = False
+    params: SamplingParams | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -39,7 +52,9 @@ class _Req:
     pending: tuple[Batch, int] | None = None  # (batch, row in batch.out) of an unseen token
     n_pending: int = 0  # launched but unprocessed sampled tokens
     finished: bool = False
-    state: int = 0  # grammar state
+    matcher: Matcher | None = None  # a grammar request's position in its grammar
+    params_row: np.ndarray = field(default_factory=lambda: _NO_ROW)  # packed SamplingParams
+    state: int = 0  # free for subclasses (a grammar state kept by hand)
 
     @property
     def known_len(self) -> int:
@@ -95,6 +110,18 @@ class ContinuousBatcher:
     If the map cannot hold another step's slots, new prefills are held back (back-pressure).
     ``host_work_s`` seconds of host work per processed step stand in for T_cpu: a sleep (like
     work in C extensions that release the GIL), or with ``host_work_holds_gil`` a Python spin.
+
+    Structured output: ``grammar`` (a :class:`tfuture.grammars.Grammar`, e.g. a
+    :class:`tfuture.testing.ToyGrammar` or a compiled JSON schema) serves the requests whose
+    ``RequestSpec.grammar`` is True; a request may also bring its own grammar (every grammar
+    must have the same ``vocab``). A grammar request finishes on a stop token, at its length
+    limit, or when its matcher terminates. ``mask``: ``"bitmask"`` (packed int32 rows) or
+    ``"bool"`` from :meth:`build_mask`. ``delay``: ``"rows"`` (only the grammar requests'
+    samples wait for their masks: ``Batch.delayed`` is a bool array) or ``"batch"`` (the whole
+    step waits when any grammar request samples). ``None`` picks ``"rows"``, except for a
+    subclass that overrides :meth:`build_mask` (written for masks of every sampling row): it
+    keeps ``"batch"``. When any request has ``params``, ``Batch.sampling`` holds every batch
+    request's packed :class:`tfuture.sampling.SamplingParams` row (defaults where None).
     """
 
     def __init__(
@@ -106,13 +133,21 @@ class ContinuousBatcher:
         max_running: int = 8,
         chunk: int = 8,
         token_budget: int = 32,
-        grammar: ToyGrammar | None = None,
+        grammar: Grammar | None = None,
         host_work_s: float = 0.0,
         host_work_holds_gil: bool = False,
+        mask: str = "bitmask",
+        delay: str | None = None,
     ) -> None:
-        if any(s.grammar for s in specs) and grammar is None:
-            raise ValueError("a request asks for a grammar but no grammar was given")
-        self.fmap, self.grammar = fmap, grammar
+        if mask not in MASK_KINDS:
+            raise ValueError(f"mask must be one of {MASK_KINDS}, got {mask!r}")
+        if delay is None:
+            delay = "rows" if type(self).build_mask is ContinuousBatcher.build_mask else "batch"
+        if delay not in DELAYS:
+            raise ValueError(f"delay must be one of {DELAYS} or None, got {delay!r}")
+        self.fmap, self.grammar, self.mask, self.delay = fmap, grammar, mask, delay
+        self.vocab = _grammar_vocab(specs, grammar)
+        self._default_row = _default_params_row(specs)
         self.stop = frozenset((eos,) if isinstance(eos, int | np.integer) else (int(t) for t in eos))
         self.eos = min(self.stop) if self.stop else -1  # one of them, for callers that read eos
         self.max_running, self.chunk, self.token_budget = max_running, chunk, token_budget
@@ -126,13 +161,24 @@ class ContinuousBatcher:
         self.extra_tokens = 0  # tokens sampled for already-finished requests, then discarded
         self._ended: list[int] = []  # finished requests not reported in a Batch yet
 
+    def _admit(self, spec: RequestSpec) -> _Req:
+        """A running request: its grammar's fresh matcher, its packed sampling row (once)."""
+        req = _Req(spec)
+        if spec.grammar is not False:
+            grammar = self.grammar if spec.grammar is True else spec.grammar
+            assert grammar is not None  # checked in __init__
+            req.matcher = grammar.matcher()
+        if self._default_row is not None:
+            req.params_row = self._default_row if spec.params is None else spec.params.pack()
+        return req
+
     def schedule(self) -> Batch | None:
         self.tick += 1
         # Finished requests leave the batch for good: report them in the next batch built.
         self._ended.extend(r.spec.rid for r in self.running if r.finished)
         self.running = [r for r in self.running if not r.finished]
         while self.waiting and len(self.running) < self.max_running and self.waiting[0].arrival <= self.tick:
-            self.running.append(_Req(self.waiting.pop(0)))
+            self.running.append(self._admit(self.waiting.pop(0)))
         if not self.running and self.waiting:
             # Idle until the next arrival: jump the clock instead of spinning.
             self.tick = self.waiting[0].arrival - 1
@@ -212,22 +258,41 @@ class ContinuousBatcher:
             consumes.append(h)
             for i, ph in zip(req_idx, h.host_placeholders(), strict=True):
                 tokens[i] = np.array([ph], dtype=np.int64)
+        sample_mask = np.asarray(sample, dtype=bool)
         batch = Batch(
             np.concatenate(tokens),
             np.asarray(seg, dtype=np.int64),
             np.asarray(prefix, dtype=np.int64),
             np.asarray(rids, dtype=np.int64),
-            np.asarray(sample, dtype=bool),
+            sample_mask,
             consumes=consumes,
             tag=[r for r, _, s in rows if s],
             ended=np.asarray(self._ended, dtype=np.int64),
+            delayed=self._delayed(rows, sample_mask),
+            sampling=self._sampling(rows),
         )
         self._ended = []
-        batch.delayed = self.grammar is not None and any(r.spec.grammar for r in batch.tag)
         for row, r in enumerate(batch.tag):
             r.pending = (batch, row)
             r.n_pending += 1
         return batch
+
+    def _delayed(self, rows: list[tuple[_Req, int, bool]], sample: np.ndarray) -> bool | np.ndarray:
+        """``Batch.delayed``: False without a sampling grammar request; with ``delay="rows"`` a
+        bool array marking the grammar requests (True when every sampling request has one)."""
+        grammar = np.fromiter((r.matcher is not None for r, _, _ in rows), dtype=bool, count=len(rows))
+        waits = int(np.count_nonzero(grammar & sample))
+        if not waits:
+            return False
+        if self.delay == "batch" or waits == int(np.count_nonzero(sample)):
+            return True
+        return grammar
+
+    def _sampling(self, rows: list[tuple[_Req, int, bool]]) -> np.ndarray | None:
+        """``Batch.sampling``: ``[n_reqs, PARAM_WORDS]`` int64 when any request has params, else None."""
+        if self._default_row is None:
+            return None
+        return np.stack([r.params_row for r, _, _ in rows])
 
     def process(self, result: StepResult) -> None:
         if self.host_work_s > 0:
@@ -239,21 +304,48 @@ class ContinuousBatcher:
             if r.finished:
                 self.extra_tokens += 1
                 continue
-            if r.spec.grammar and self.grammar is not None:
-                r.state = self.grammar.advance(r.state, tok)
+            m = r.matcher
+            if m is not None and not m.accept(tok):
+                # The mask allowed it, so the sampler or the mask path is broken: never go on.
+                raise RuntimeError(
+                    f"request {r.spec.rid}: its grammar rejects token {tok} sampled at step {result.step} "
+                    f"(after {len(r.out)} generated token(s)): the mask was not applied"
+                )
             r.out.append(tok)
-            if tok in self.stop or len(r.out) >= r.spec.max_new:
+            if tok in self.stop or len(r.out) >= r.spec.max_new or (m is not None and m.is_terminated()):
                 r.finished = True
                 self.outputs[r.spec.rid] = r.out
 
     def build_mask(self, batch: Batch) -> np.ndarray:
-        assert self.grammar is not None
-        mask = np.ones((len(batch.tag), self.grammar.vocab), dtype=bool)
-        for i, r in enumerate(batch.tag):
-            if r.spec.grammar and not r.finished:
-                mask[i] = self.grammar.allowed[r.state]
-        return mask
+        """The mask of the batch's delayed sampling requests (all of them for ``delayed=True``), in
+        batch order: int32 ``[m, ceil(vocab / 32)]`` (``mask="bitmask"``) or bool ``[m, vocab]``.
+        A request without a grammar, or one that already finished (the extra step), allows all."""
+        if self.vocab is None:
+            raise RuntimeError("build_mask called on a ContinuousBatcher without grammar requests")
+        tag = batch.tag
+        matchers = [None if tag[i].finished else tag[i].matcher for i in mask_requests(batch).tolist()]
+        return build_bitmask(matchers, self.vocab, self.mask)
 
     @property
     def idle(self) -> bool:
         return not self.waiting and all(r.finished for r in self.running)
+
+
+def _grammar_vocab(specs: list[RequestSpec], grammar: Grammar | None) -> int | None:
+    """The vocab every grammar of the run shares (None without grammars); raise on a mismatch."""
+    named: dict[str, object] = {} if grammar is None else {"grammar": grammar}
+    for s in specs:
+        if s.grammar is True and grammar is None:
+            raise ValueError(f"request {s.rid} asks for a grammar but no grammar was given")
+        if not isinstance(s.grammar, bool):
+            named[f"request {s.rid}'s grammar"] = s.grammar
+    return shared_vocab(named)
+
+
+def _default_params_row(specs: list[RequestSpec]) -> np.ndarray | None:
+    """The packed default SamplingParams row when any request has params, else None."""
+    for s in specs:
+        if s.params is not None and not isinstance(s.params, SamplingParams):
+            got = type(s.params).__name__
+            raise TypeError(f"request {s.rid}: params must be a SamplingParams or None, got {got}")
+    return None if all(s.params is None for s in specs) else SamplingParams().pack()

@@ -11,6 +11,7 @@ import torch
 from tfuture.batch import Model
 from tfuture.futures import FutureMap
 from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
 from tfuture.stats import RunStats
 from tfuture.streams import Delay
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec
@@ -58,12 +59,16 @@ def run_workload(
     delay: Delay | None = None,
     grammar: ToyGrammar | None = None,
     debug: bool = False,
+    sampler: Sampler | None = None,
     **batcher_kw: Any,
 ) -> tuple[dict[int, list[int]], RunStats, ContinuousBatcher, FutureMap]:
-    """Run ``specs`` through a :class:`ContinuousBatcher` on a fresh map; return the outputs."""
+    """Run ``specs`` through a :class:`ContinuousBatcher` on a fresh map; return the outputs.
+
+    ``sampler``: tfuture's sampler instead of the model's ``sample`` (reset after each run, so
+    one instance serves several runs)."""
     fmap = FutureMap(capacity, device=device, debug=debug)
     sched = ContinuousBatcher(specs, fmap, grammar=grammar, **batcher_kw)
-    stats = OverlapRuntime(model, fmap, overlap=overlap, delay=delay).run(sched)
+    stats = OverlapRuntime(model, fmap, overlap=overlap, delay=delay, sampler=sampler).run(sched)
     return sched.outputs, stats, sched, fmap
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tfuture.batch import ForwardBatch
+from tfuture.kernels.bitmask import pack_bool_mask
 
 _P = 2_147_483_647  # 2**31 - 1: every product below stays under 2**62, no int64 wrap
 
@@ -102,7 +103,10 @@ class ToyGrammar:
     """A seeded finite automaton over token ids: ``allowed[state]`` and ``next[state, token]``.
 
     Every state allows at least two tokens. ``mask(states)`` is the host-built bool mask
-    ``[n, vocab]`` a delayed sample needs; ``accepts(tokens)`` replays a sequence.
+    ``[n, vocab]`` a delayed sample needs; ``accepts(tokens)`` replays a sequence. It is a
+    :class:`tfuture.grammars.Grammar`: ``matcher()`` makes a :class:`ToyMatcher` per request,
+    which fills its packed bitmask row from ``packed [n_states, ceil(vocab / 32)]`` int32 (built
+    once). It never terminates: its requests end on a stop token or their length limit.
     """
 
     def __init__(self, vocab: int, n_states: int = 5, seed: int = 0, density: float = 0.3) -> None:
@@ -113,6 +117,7 @@ class ToyGrammar:
         allowed[np.arange(n_states), rng.integers(0, vocab, n_states)] = True
         self.allowed = allowed
         self.next = rng.integers(0, n_states, (n_states, vocab))
+        self.packed = pack_bool_mask(allowed)
 
     def mask(self, states: np.ndarray) -> np.ndarray:
         return self.allowed[states]
@@ -129,3 +134,29 @@ class ToyGrammar:
                 return False
             state = int(self.next[state, t])
         return True
+
+    def matcher(self) -> ToyMatcher:
+        """A fresh per-request matcher in state 0."""
+        return ToyMatcher(self)
+
+
+class ToyMatcher:
+    """One request's state in a :class:`ToyGrammar` (a :class:`tfuture.grammars.Matcher`)."""
+
+    __slots__ = ("grammar", "state")
+
+    def __init__(self, grammar: ToyGrammar) -> None:
+        self.grammar, self.state = grammar, 0
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        bitmask[row] = self.grammar.packed[self.state]
+
+    def accept(self, token: int) -> bool:
+        g = self.grammar
+        if not 0 <= token < g.vocab or not g.allowed[self.state, token]:
+            return False
+        self.state = int(g.next[self.state, token])
+        return True
+
+    def is_terminated(self) -> bool:
+        return False

@@ -1,0 +1,224 @@
+"""xgrammar behind the :class:`tfuture.grammars.Grammar` protocol (optional extra: ``pip install
+tfuture[grammar]``; xgrammar is imported on first use, not with this module).
+
+    compiler = XGrammarCompiler(tokenizer, vocab_size=model_vocab)      # once per tokenizer
+    grammar = compiler.json_schema({"type": "object", ...})             # once per schema
+    ContinuousBatcher(specs, fmap, grammar=grammar, eos=compiler.stop_token_ids)
+
+``tokenizer``: a Hugging Face ``transformers`` tokenizer, a byte-level ``tokenizers.Tokenizer``
+(e.g. :func:`tfuture.testing.tokenizer.tiny_tokenizer`), or an ``xgrammar.TokenizerInfo``.
+``vocab_size`` is the model's logits width, which may exceed the tokenizer's vocabulary
+(padded ``lm_head``): the extra ids are never allowed. Each request gets its own
+:class:`XGrammarMatcher`, which fills its row of the packed int32 bitmask (xgrammar's layout,
+the one :mod:`tfuture.kernels.bitmask` applies) and terminates once it accepted a stop token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["XGrammar", "XGrammarCompiler", "XGrammarMatcher", "tokenizer_info"]
+
+_INSTALL = "pip install tfuture[grammar]"
+
+
+def _xgr() -> Any:
+    """The xgrammar module, or an ImportError that says how to install it."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ImportError(f"tfuture.grammars.xgrammar needs the xgrammar package: {_INSTALL}") from exc
+    return xgrammar
+
+
+def _stop_ids(stop_token_ids: int | Sequence[int] | None) -> list[int] | None:
+    if stop_token_ids is None:
+        return None
+    ids = [stop_token_ids] if isinstance(stop_token_ids, int | np.integer) else list(stop_token_ids)
+    if not ids or not all(isinstance(t, int | np.integer) and t >= 0 for t in ids):
+        raise ValueError(
+            f"stop_token_ids must be a token id >= 0 or a non-empty list of them, got {stop_token_ids!r}"
+        )
+    return [int(t) for t in ids]
+
+
+def _byte_level_prefix_space(tokenizer: Any) -> bool:
+    """``add_prefix_space`` of a byte-level ``tokenizers.Tokenizer``; ValueError for another kind."""
+    spec = json.loads(tokenizer.to_str())
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        raise ValueError(
+            "a tokenizers.Tokenizer must be byte-level (a ByteLevel decoder), got decoder "
+            f"{decoder.get('type')!r}; pass a transformers tokenizer or an xgrammar.TokenizerInfo instead"
+        )
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    return any(p.get("type") == "ByteLevel" and p.get("add_prefix_space") for p in parts)
+
+
+def _is_tokenizers_tokenizer(obj: object) -> bool:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - depends on the environment
+        return False
+    return isinstance(obj, Tokenizer)
+
+
+def tokenizer_info(
+    tokenizer: Any, *, vocab_size: int | None = None, stop_token_ids: int | Sequence[int] | None = None
+) -> Any:
+    """An ``xgrammar.TokenizerInfo`` for ``tokenizer`` (see the module docstring) and the model's
+    ``vocab_size`` (default: the tokenizer's). ``stop_token_ids`` default: the tokenizer's end
+    token (transformers), or its special added tokens (``tokenizers.Tokenizer``)."""
+    xgr = _xgr()
+    if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 1):
+        raise ValueError(f"vocab_size must be an int >= 1 (the model's logits width), got {vocab_size!r}")
+    stops = _stop_ids(stop_token_ids)
+    if isinstance(tokenizer, xgr.TokenizerInfo):
+        if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+            raise ValueError(
+                f"vocab_size {vocab_size} does not match the TokenizerInfo's {tokenizer.vocab_size}"
+            )
+        if stops is not None and stops != list(tokenizer.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids {stops} do not match the TokenizerInfo's {tokenizer.stop_token_ids}"
+            )
+        return tokenizer
+    if not _is_tokenizers_tokenizer(tokenizer):
+        if not callable(getattr(tokenizer, "get_vocab", None)):
+            raise TypeError(
+                "tokenizer must be a transformers tokenizer, a tokenizers.Tokenizer or an "
+                f"xgrammar.TokenizerInfo, got {type(tokenizer).__name__}"
+            )
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+    prefix_space = _byte_level_prefix_space(tokenizer)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    size = vocab_size or max(vocab.values()) + 1
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    if stops is None:
+        if not special:
+            raise ValueError("the tokenizer has no special token to stop on: pass stop_token_ids")
+        stops = sorted(special)
+    # Special tokens are empty strings to xgrammar: never text inside the grammar's language.
+    encoded = [""] * size
+    for text, i in vocab.items():
+        if i < size and i not in special:
+            encoded[i] = text
+    return xgr.TokenizerInfo(
+        encoded,
+        xgr.VocabType.BYTE_LEVEL,
+        vocab_size=size,
+        stop_token_ids=stops,
+        add_prefix_space=prefix_space,
+    )
+
+
+class XGrammarMatcher:
+    """One request's ``xgrammar.GrammarMatcher`` (a :class:`tfuture.grammars.Matcher`)."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Row ``row`` of ``bitmask`` (int32 ``[n, ceil(vocab / 32)]``, host, C-contiguous)."""
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return bool(self._m.accept_token(token))
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+
+class XGrammar:
+    """A compiled xgrammar grammar (a :class:`tfuture.grammars.Grammar`): ``vocab`` and matchers."""
+
+    def __init__(self, compiled: Any, vocab: int) -> None:
+        self.compiled, self._vocab = compiled, vocab
+
+    @property
+    def vocab(self) -> int:
+        return self._vocab
+
+    def matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(_xgr().GrammarMatcher(self.compiled))
+
+
+class XGrammarCompiler:
+    """Compiles grammars for one tokenizer and model (``xgrammar.GrammarCompiler``, with its cache).
+
+    Args:
+        tokenizer: a transformers tokenizer, a byte-level ``tokenizers.Tokenizer`` or an
+            ``xgrammar.TokenizerInfo``.
+        vocab_size: the model's logits width (default: the tokenizer's vocabulary size).
+        stop_token_ids: the tokens that end a request (default: the tokenizer's end token).
+        max_threads: xgrammar's compile threads.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        vocab_size: int | None = None,
+        stop_token_ids: int | Sequence[int] | None = None,
+        max_threads: int = 8,
+    ) -> None:
+        self.info = tokenizer_info(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.vocab: int = self.info.vocab_size
+        self.stop_token_ids: list[int] = list(self.info.stop_token_ids)
+        self._compiler = _xgr().GrammarCompiler(self.info, max_threads=max_threads)
+
+    def json_schema(
+        self,
+        schema: str | dict[str, Any],
+        *,
+        any_whitespace: bool = False,
+        strict: bool = True,
+        **options: Any,
+    ) -> XGrammar:
+        """Outputs that are JSON documents valid under ``schema`` (a dict or its JSON text).
+
+        ``any_whitespace=False`` (the default here, xgrammar's is True) allows no free
+        whitespace: with ``additionalProperties: false`` and bounded fields the language is
+        finite, so every request ends. ``strict``: xgrammar's ``strict_mode`` (no properties or
+        items beyond the schema's). ``options`` go to ``compile_json_schema`` (``indent``,
+        ``separators``, ``max_whitespace_cnt``, ``any_order``).
+        """
+        if not isinstance(schema, str | dict):
+            raise TypeError(f"schema must be a dict or a JSON string, got {type(schema).__name__}")
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        compiled = self._compile(
+            "JSON schema",
+            lambda: self._compiler.compile_json_schema(
+                text, any_whitespace=any_whitespace, strict_mode=strict, **options
+            ),
+        )
+        return XGrammar(compiled, self.vocab)
+
+    def builtin_json(self) -> XGrammar:
+        """Any JSON document (xgrammar's built-in JSON grammar); unbounded, so set ``max_new``."""
+        return XGrammar(
+            self._compile("built-in JSON grammar", self._compiler.compile_builtin_json_grammar), self.vocab
+        )
+
+    def ebnf(self, grammar: str, root: str = "root") -> XGrammar:
+        """A grammar in xgrammar's EBNF dialect, starting at rule ``root``."""
+        if not isinstance(grammar, str):
+            raise TypeError(f"grammar must be an EBNF string, got {type(grammar).__name__}")
+        compiled = self._compile(
+            "EBNF grammar", lambda: self._compiler.compile_grammar(grammar, root_rule_name=root)
+        )
+        return XGrammar(compiled, self.vocab)
+
+    @staticmethod
+    def _compile(what: str, compile_fn: Any) -> Any:
+        try:
+            return compile_fn()
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"xgrammar could not compile the {what}: {exc}") from exc

@@ -1,0 +1,356 @@
+"""The device side of sampling: :class:`Sampler` (plan on the host, the rest on the stream).
+
+Per step: ``plan`` (host) -> ``prepare`` -> ``observe`` -> ``sample`` (once or in parts) ->
+``record``, the last four on the forward stream in that order. The device history is two
+tables of ``history_rows + 2`` rows by the vocab: ``counts`` (int32, how often each token was
+sampled for the request) and ``seen`` (bool, the token occurred in the request's inputs or
+outputs). Row 0 is all zero and never written (the row of requests without penalties, so every
+sampling row can take the same ops); row ``history_rows + 1`` takes marks that went stale before
+the tables existed and is never read. ``record`` updates the tables right after a step's sample,
+on the stream, so the next step's sample sees the token even though the host has not.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tfuture.args import as_count
+from tfuture.sampling.plan import (
+    R_DRAW,
+    R_FREQ,
+    R_HIST,
+    R_MIN_P,
+    R_PRES,
+    R_REP,
+    R_TEMP,
+    R_TOP_K,
+    R_TOP_P,
+    ROW_FLOATS,
+    ROW_WORDS,
+    HistoryRows,
+    SamplerPlan,
+    build_plan,
+)
+
+__all__ = ["Sampler", "SamplerState"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class SamplerState(NamedTuple):
+    """One step's device views of ``plan.words`` (made in ``prepare``; no host reads)."""
+
+    plan: SamplerPlan
+    block: torch.Tensor | None  # [ROW_WORDS, n_sample] int64, or None (greedy, no penalties)
+    rec_idx: torch.Tensor
+    rec_rows: torch.Tensor
+    obs_idx: torch.Tensor
+    obs_rows: torch.Tensor
+
+
+class _Pending(NamedTuple):
+    """``seen`` marks observed before the tables existed (vocab unknown until the first logits)."""
+
+    host_rows: np.ndarray
+    rows: torch.Tensor
+    tokens: torch.Tensor
+
+
+class Sampler:
+    """Per-request sampling on the device: temperature, top-k, top-p, min-p, seeded draws, and
+    frequency/presence/repetition penalties from a device-side token history.
+
+    Args:
+        history_rows: requests with penalties that may be live at once (device history rows);
+            0 refuses penalties with a ``ValueError`` naming the request.
+        vocab_size: allocate the history at the first ``prepare`` instead of the first
+            ``sample`` (else the vocab is ``logits.shape[1]`` of the first ``sample``).
+
+    Guarantees: a greedy row returns exactly ``argmax`` (lowest index on ties) of its penalised,
+    masked logits; a sampled row's token is a function of its logits, its parameters and its
+    draw ``uniform_draws(seed, position)`` only, never of the other rows in the step (on CPU
+    bit for bit; on CUDA for the same step shapes); penalties count every token sampled before
+    the step on the stream, so they are exact under overlap. Nothing here reads a device value
+    on the host.
+    """
+
+    def __init__(self, *, history_rows: int = 0, vocab_size: int | None = None) -> None:
+        self.history_rows = as_count("Sampler(history_rows=)", history_rows)
+        if vocab_size is not None and as_count("Sampler(vocab_size=)", vocab_size) < 1:
+            raise ValueError(f"Sampler(vocab_size=) must be >= 1, got {vocab_size}")
+        self._rows = HistoryRows(self.history_rows)  # host only
+        # Forward-stream state from here on.
+        self.vocab: int | None = vocab_size
+        self.counts: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
+        self._ones: torch.Tensor | None = None
+        self._true: torch.Tensor | None = None
+        self._arange: torch.Tensor | None = None
+        self._zeros: dict[torch.dtype, torch.Tensor] = {}
+        self._pending: list[_Pending] = []
+
+    # ----------------------------------------------------------------------------- host
+    def plan(
+        self,
+        params: np.ndarray | None,
+        req_ids: np.ndarray,
+        seg_lens: np.ndarray,
+        prefix_lens: np.ndarray,
+        sample_reqs: np.ndarray,
+        ended: np.ndarray,
+        step: int,
+    ) -> SamplerPlan:
+        """HOST, once per step: decide the stages, assign history rows, pack ``words``.
+
+        Args:
+            params: ``[n_reqs, PARAM_WORDS]`` int64 packed rows of every request in the batch
+                (checked ones: :func:`check_packed_params`), or None (all greedy, no penalties).
+                A request's parameters must stay the same over its life.
+            req_ids, seg_lens, prefix_lens: ``[n_reqs]`` int64, the batch's.
+            sample_reqs: ``[n_sample]`` int64, ascending indices of the requests that sample.
+            ended: request ids that appear in no step from this one on: their rows are freed
+                first and may be reused (and zeroed on the stream) in this very step.
+            step: the step number (for messages).
+
+        The draw of a sampling request is ``uniform_draws(seed, prefix_len + seg_len)``. If a
+        plan's step is never launched (its ``prepare`` never runs), call :meth:`reset` before
+        planning again: rows it assigned would otherwise not be zeroed.
+        """
+        return build_plan(self._rows, params, req_ids, seg_lens, prefix_lens, sample_reqs, ended, step)
+
+    def reset(self) -> None:
+        """HOST, after a run (the stream drained): free every history row. The tables stay
+        allocated; a row is zeroed when it is assigned again."""
+        self._rows.reset()
+        self._pending = []
+
+    @property
+    def live_rows(self) -> int:
+        """History rows held by live requests (host bookkeeping)."""
+        return len(self._rows.held)
+
+    # ------------------------------------------------------------------- forward stream
+    def prepare(self, plan: SamplerPlan, words: torch.Tensor) -> SamplerState:
+        """FORWARD STREAM: views of ``words`` (the device copy of ``plan.words``, int64) and the
+        zeroing of this step's newly assigned history rows."""
+        if not isinstance(plan, SamplerPlan):
+            raise TypeError(f"plan must be a SamplerPlan, got {type(plan).__name__}")
+        if not isinstance(words, torch.Tensor) or words.dtype != torch.int64 or words.dim() != 1:
+            got = f"{words.dtype} {tuple(words.shape)}" if isinstance(words, torch.Tensor) else type(words)
+            raise ValueError(f"words must be the 1-D int64 device copy of plan.words, got {got}")
+        if words.numel() != plan.words.size:
+            raise ValueError(
+                f"words must hold plan.words.size = {plan.words.size} words, got {words.numel()}"
+            )
+        blk, rec_idx, rec_rows, obs_idx, obs_rows, new = words.split(plan.sizes)
+        block = blk.view(ROW_WORDS, plan.n_sample) if plan.sizes[0] else None
+        if plan.sizes[5]:
+            self._ensure_tables(words.device)
+            if self.counts is not None and self.seen is not None:
+                self.counts.index_fill_(0, new, 0)
+                self.seen.index_fill_(0, new, False)
+            elif self._pending:
+                self._drop_pending(plan.new_rows, new)
+        return SamplerState(plan, block, rec_idx, rec_rows, obs_idx, obs_rows)
+
+    def observe(self, state: SamplerState, input_ids: torch.Tensor) -> None:
+        """FORWARD STREAM, after ``prepare``: mark the step's input tokens of requests with
+        history rows as seen. ``input_ids [n_rows]`` int, resolved; rows past the real tokens
+        are never read. Launches nothing when no request of the step has penalties."""
+        if not state.plan.sizes[3]:
+            return
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be a 1-D tensor, got {type(input_ids).__name__}")
+        tokens = input_ids.index_select(0, state.obs_idx)
+        if tokens.dtype != torch.int64:
+            tokens = tokens.long()
+        self._ensure_tables(input_ids.device)
+        if self.seen is None:
+            self._pending.append(_Pending(state.plan.obs_rows, state.obs_rows, tokens))
+            return
+        assert self._true is not None
+        self.seen.index_put_((state.obs_rows, tokens), self._true)
+
+    def sample(
+        self,
+        state: SamplerState,
+        logits: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """FORWARD STREAM: int64 ``[m]`` tokens for ``m`` of the step's sampling rows.
+
+        Args:
+            logits: ``[m, V]`` float16/bfloat16/float32/float64; never modified.
+            rows: int64 ``[m]`` device indices into ``0..n_sample-1`` (None: all rows, in order).
+            bitmask: None or int32 ``[m, ceil(V/32)]``, bit ``j`` of word ``w`` allows token
+                ``32*w + j``.
+
+        Order: penalties (repetition, frequency, presence), the bitmask, then greedy rows take
+        the argmax and the others: ``/ temperature``, top-k, top-p, min-p, inverse CDF with the
+        row's draw over the kept tokens (stable sort: same inputs, same token). Math runs in
+        float64 for float64 logits, else float32.
+        """
+        plan = state.plan
+        m, vocab = self._check_logits(logits, plan, rows)
+        if not (plan.sampled or plan.penalized or bitmask is not None):
+            return logits.argmax(dim=1)
+        if m == 0:
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        block = state.block
+        if block is not None and rows is not None:
+            block = block.index_select(1, rows)
+        work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        floats = None
+        if block is not None:
+            floats = block[:ROW_FLOATS].view(torch.float64)
+            if work != torch.float64:
+                floats = floats.to(work)
+        x = logits
+        if plan.penalized:
+            assert block is not None and floats is not None
+            x = self._penalise(x.to(work), floats, block[R_HIST], plan)
+        if bitmask is not None:
+            _check_bitmask(bitmask, m, vocab, logits.device)
+            if x is logits:
+                x = logits.to(work, copy=True)
+            from tfuture.kernels.bitmask import apply_token_bitmask_
+
+            apply_token_bitmask_(x, bitmask)
+        if not plan.sampled:
+            return x.argmax(dim=1)
+        assert block is not None and floats is not None
+        return self._draw(x, floats, block[R_TOP_K], plan, vocab)
+
+    def record(self, state: SamplerState, tokens: torch.Tensor) -> None:
+        """FORWARD STREAM, after the step's last ``sample``: count ``tokens`` (int64
+        ``[n_sample]``, in ``sample_reqs`` order) in the outputs of requests with history rows.
+        Launches nothing when no sampling row has penalties."""
+        n = state.plan.sizes[1]
+        if not n:
+            return
+        if not isinstance(tokens, torch.Tensor) or tokens.shape != (state.plan.n_sample,):
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"record expects [{state.plan.n_sample}] tokens, got {got}")
+        if self.counts is None or self.seen is None or self._ones is None or self._true is None:
+            raise RuntimeError("Sampler.record before any sample: the history tables do not exist yet")
+        picked = tokens.index_select(0, state.rec_idx)
+        if picked.dtype != torch.int64:
+            picked = picked.long()
+        self.counts.index_put_((state.rec_rows, picked), self._ones[:n], accumulate=True)
+        self.seen.index_put_((state.rec_rows, picked), self._true)
+
+    # ------------------------------------------------------------------------ internals
+    def _check_logits(self, logits: object, plan: SamplerPlan, rows: object) -> tuple[int, int]:
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype not in _FLOATS:
+            got = (
+                f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else type(logits)
+            )
+            raise ValueError(f"logits must be a 2-D float tensor [m, vocab], got {got}")
+        m, vocab = logits.shape
+        if rows is None:
+            if m != plan.n_sample:
+                raise ValueError(f"logits must have n_sample = {plan.n_sample} rows (rows=None), got {m}")
+        elif not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.shape != (m,):
+            got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows)
+            raise ValueError(f"rows must be an int64 [{m}] tensor (one per logits row), got {got}")
+        if self.vocab is None:
+            self.vocab = vocab
+        elif vocab != self.vocab:
+            raise ValueError(
+                f"logits have vocab {vocab} but this Sampler's history was made for {self.vocab}"
+            )
+        if self.history_rows:
+            self._ensure_tables(logits.device)
+        return m, vocab
+
+    def _ensure_tables(self, device: torch.device) -> None:
+        """Allocate the history once the vocab is known; replay marks made before."""
+        if self.counts is not None:
+            if self.counts.device != device:
+                raise ValueError(
+                    f"this Sampler's history lives on {self.counts.device}, got a tensor on {device}"
+                )
+            return
+        if self.vocab is None or not self.history_rows:
+            return
+        shape = (self.history_rows + 2, self.vocab)
+        self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(shape, dtype=torch.bool, device=device)
+        self._ones = torch.ones(self.history_rows + 1, dtype=torch.int32, device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        for p in self._pending:
+            self.seen.index_put_((p.rows, p.tokens), self._true)
+        self._pending = []
+
+    def _drop_pending(self, host_new: np.ndarray, new: torch.Tensor) -> None:
+        """Rows reassigned before the tables exist: their earlier marks go to the trash row."""
+        trash = self.history_rows + 1
+        for i, p in enumerate(self._pending):
+            stale = np.isin(p.host_rows, host_new)
+            if stale.any():
+                rows = torch.where(torch.isin(p.rows, new), trash, p.rows)
+                self._pending[i] = _Pending(np.where(stale, trash, p.host_rows), rows, p.tokens)
+
+    def _penalise(
+        self, x: torch.Tensor, floats: torch.Tensor, hist: torch.Tensor, plan: SamplerPlan
+    ) -> torch.Tensor:
+        """Repetition, then frequency and presence; out of place (``x`` may be the caller's)."""
+        assert self.counts is not None and self.seen is not None
+        if plan.repetition:
+            r = floats[R_REP].unsqueeze(1)
+            seen = self.seen.index_select(0, hist)
+            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        if plan.counts:
+            c = self.counts.index_select(0, hist).to(x.dtype)
+            x = x - floats[R_FREQ].unsqueeze(1) * c - floats[R_PRES].unsqueeze(1) * (c > 0)
+        return x
+
+    def _draw(
+        self, x: torch.Tensor, floats: torch.Tensor, top_k: torch.Tensor, plan: SamplerPlan, vocab: int
+    ) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then inverse-CDF sampling with each row's draw."""
+        x = x / floats[R_TEMP].unsqueeze(1)
+        sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)
+        p = torch.softmax(sorted_x, dim=1)
+        if plan.top_k:
+            p = p.masked_fill(self._columns(vocab, x.device) >= top_k.unsqueeze(1), 0)
+        if plan.top_p:
+            c = p.cumsum(dim=1)
+            p = p.masked_fill(c - p >= floats[R_TOP_P].unsqueeze(1) * c[:, -1:], 0)
+        if plan.min_p:
+            p = p.masked_fill(p < floats[R_MIN_P].unsqueeze(1) * p[:, :1], 0)
+        c = p.cumsum(dim=1)
+        total = c[:, -1:]
+        # Below the total by construction (u * total may round up to it): the pick has p > 0.
+        target = torch.minimum(floats[R_DRAW].unsqueeze(1) * total, torch.nextafter(total, self._zero(total)))
+        pick = torch.searchsorted(c, target, right=True).clamp_max_(vocab - 1)
+        return order.gather(1, pick).squeeze(1)
+
+    def _zero(self, like: torch.Tensor) -> torch.Tensor:
+        """A cached 0-dim zero of ``like``'s dtype and device (no fill launched per step)."""
+        zero = self._zeros.get(like.dtype)
+        if zero is None or zero.device != like.device:
+            zero = self._zeros[like.dtype] = like.new_zeros(())
+        return zero
+
+    def _columns(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self._arange is None or self._arange.numel() != vocab or self._arange.device != device:
+            self._arange = torch.arange(vocab, device=device)
+        return self._arange
+
+
+def _check_bitmask(bitmask: object, m: int, vocab: int, device: torch.device) -> None:
+    words = -(-vocab // 32)
+    ok = isinstance(bitmask, torch.Tensor) and bitmask.dtype == torch.int32 and bitmask.shape == (m, words)
+    if not ok:
+        got = (
+            f"{bitmask.dtype} {tuple(bitmask.shape)}" if isinstance(bitmask, torch.Tensor) else type(bitmask)
+        )
+        raise ValueError(f"bitmask must be int32 [{m}, {words}] (ceil(vocab / 32) words a row), got {got}")
+    assert isinstance(bitmask, torch.Tensor)
+    if bitmask.device != device:
+        raise ValueError(f"bitmask is on {bitmask.device} but logits are on {device}")
