@@ -27,6 +27,10 @@ $PY -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
 timeout "${TEST_TIMEOUT_S:-240}" $PY -m pytest -q -p no:cacheprovider $XDIST --timeout 120 --continue-on-collection-errors tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
 test_rc=${PIPESTATUS[0]}
 
+# tfuture.distributed over NCCL with the GPUs found (one GPU: TP=1 through the same code path).
+timeout "${NCCL_TIMEOUT_S:-120}" $PY -m perf.nccl_smoke 2>&1 | tee "$OUT/nccl_smoke.log"
+nccl_rc=${PIPESTATUS[0]}
+
 # A time limit of our own, so that a slow run still leaves its partial results to pack.
 timeout "${PERF_TIMEOUT_S:-420}" $PY -m perf --refresh 2>&1 | tee "$OUT/perf.log"
 perf_rc=${PIPESTATUS[0]}
@@ -38,5 +42,6 @@ if [ -n "$dev" ] && [ -d "perf/results/$dev" ]; then
     [ -f "perf/results/$dev/$f" ] && cp "perf/results/$dev/$f" "$OUT/"
   done
 fi
-echo "gpu_check: pytest rc=$test_rc, perf rc=$perf_rc, results in $OUT (device $dev)" | tee -a "$OUT/perf.log"
-[ "$test_rc" -eq 0 ] && [ "$perf_rc" -eq 0 ]
+echo "gpu_check: pytest rc=$test_rc, nccl smoke rc=$nccl_rc, perf rc=$perf_rc, results in $OUT (device $dev)" \
+  | tee -a "$OUT/perf.log"
+[ "$test_rc" -eq 0 ] && [ "$nccl_rc" -eq 0 ] && [ "$perf_rc" -eq 0 ]

@@ -3,6 +3,12 @@
 Runs the toy model with ``--t-dev`` ms of device work per step and host work of
 ``--ratios`` x T_dev per step, in sync and overlap mode, prints step times and the forward
 stream's idle fraction, and writes the overlapped run's Chrome trace (open it in Perfetto).
+
+With ``--tp N`` and/or ``--pp N`` it runs tensor / pipeline parallel on ``N`` ranks instead
+(:mod:`tfuture.distributed.demo`), launched by torchrun (gloo on CPU, NCCL on GPUs)::
+
+    torchrun --nproc-per-node 2 -m tfuture.demo --tp 2
+    torchrun --nproc-per-node 2 -m tfuture.demo --pp 2
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def measure(
     return runs[0], runs[1]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--t-dev", type=float, default=4.0, help="device work per step, ms")
     p.add_argument("--ratios", default="1,0.5", help="T_cpu / T_dev values, comma separated")
@@ -53,7 +59,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gil", action="store_true", help="host work holds the GIL (a Python spin)")
     p.add_argument("--trace", default="tfuture-trace.json", help="Chrome trace of the first overlapped run")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (launch with torchrun)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (launch with torchrun)")
+    p.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, s (--tp/--pp)")
     args = p.parse_args(argv)
+    if args.tp is not None or args.pp is not None:
+        from tfuture.distributed.demo import run_distributed_demo
+
+        args.tp, args.pp = (1 if v is None else v for v in (args.tp, args.pp))
+        if args.tp < 1 or args.pp < 1:
+            p.error(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
+        return run_distributed_demo(args)
     t_dev = args.t_dev / 1e3
     print(f"device={args.device} batch={args.batch} steps={args.steps} host work holds GIL={args.gil}")
     cols = ["T_cpu/T_dev", "sync ms", "overlap ms", "max(Tc,Td)", "speedup", "idle sync", "idle ovl"]
@@ -79,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
             over.write_chrome_trace(args.trace)
     if args.trace:
         print(f"timeline of the first overlapped run: {args.trace} (open in https://ui.perfetto.dev)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""``ParallelRuntime``: the one overlap loop on every rank of a tensor- and pipeline-parallel run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from tfuture.args import as_count
+from tfuture.distributed.checks import agree
+from tfuture.distributed.context import ParallelContext
+from tfuture.distributed.failure import FailureWatcher, fail_run, finish_run
+from tfuture.distributed.micro import MicroBatchScheduler
+from tfuture.distributed.step import ParallelStep, StageModel
+from tfuture.faults import FaultPlan
+from tfuture.futures import FutureMap
+from tfuture.runtime import OverlapRuntime
+from tfuture.stats import RunStats
+from tfuture.streams import Delay
+
+__all__ = ["ParallelRuntime"]
+
+
+class ParallelRuntime:
+    """Drive this rank's ``model`` (a :class:`tfuture.distributed.step.StageModel`) through the
+    same schedulers as every other rank, overlapped or in sync.
+
+    Every rank builds the same schedulers over the same requests with its own ``fmap`` (same
+    capacity and dtype on every rank, checked) and calls :meth:`run` the same number of times.
+    ``check`` (default: ``fmap.debug``) compares a digest of every step's batch and of every
+    stored token across ranks (host syncs). Other arguments as for
+    :class:`tfuture.runtime.OverlapRuntime`.
+    """
+
+    def __init__(
+        self,
+        model: StageModel,
+        fmap: FutureMap,
+        ctx: ParallelContext,
+        *,
+        overlap: bool = True,
+        stream: str = "auto",
+        delay: Delay | None = None,
+        faults: FaultPlan | None = None,
+        trace: bool = True,
+        check: bool | None = None,
+    ) -> None:
+        if not isinstance(ctx, ParallelContext):
+            raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
+        if not isinstance(fmap, FutureMap):
+            raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
+        self.ctx, self.fmap, self.overlap = ctx, fmap, bool(overlap)
+        self.check = fmap.debug if check is None else bool(check)
+        self.kind = ParallelStep(model, ctx, check=self.check)
+        self.runtime = OverlapRuntime(
+            self.kind, fmap, overlap=overlap, stream=stream, delay=delay, faults=faults, trace=trace
+        )
+        self.scheduler: MicroBatchScheduler | None = None
+
+    @property
+    def model(self) -> StageModel:
+        return self.kind.model
+
+    def run(self, schedulers: Any | Sequence[Any], max_steps: int | None = None) -> RunStats:
+        """Run ``schedulers`` (one :class:`tfuture.batch.Scheduler`, or one per micro-batch group:
+        ``ctx.pp`` groups keep the pipeline full) until all are done, or for ``max_steps``
+        micro-batches (then up to ``pp - 1`` bubble steps deliver the last tokens).
+
+        On a failure on any rank, every rank raises (the failing one its own exception, the
+        others :class:`tfuture.distributed.failure.RankFailure` or their own error), every
+        rank's slots are released and the process groups are torn down (``ctx`` is closed).
+        A mismatched configuration (map capacity, dtype, debug, overlap, group count) raises
+        :class:`tfuture.distributed.checks.RankDivergence` on every rank before any step.
+        """
+        ctx = self.ctx
+        if ctx.closed:
+            raise RuntimeError(f"{ctx!r} is closed (a failed run tears the process groups down)")
+        if max_steps is not None:
+            max_steps = as_count("max_steps", max_steps)
+        groups = list(schedulers) if isinstance(schedulers, list | tuple) else [schedulers]
+        if not groups:
+            raise ValueError("run needs at least one scheduler, got an empty sequence")
+        for i, g in enumerate(groups):
+            missing = [m for m in ("schedule", "process", "build_mask") if not callable(getattr(g, m, None))]
+            if missing:
+                raise TypeError(f"scheduler {i} ({type(g).__name__}) lacks {', '.join(missing)}")
+        fmap = self.fmap
+        config = {
+            "map capacity": fmap.capacity,
+            "map dtype": str(fmap.dtype),
+            "debug checks": self.check,
+            "overlap": self.overlap,
+            "scheduler groups": len(groups),
+            "max_steps": max_steps,
+        }
+        agree(ctx, config, "before the run: ")
+        key = ctx.next_run()
+        self.kind.reset()
+        self.scheduler = MicroBatchScheduler(groups, self.kind, max_steps)
+        watcher: AbstractContextManager[Any] = (
+            FailureWatcher(ctx, key) if ctx.backend == "nccl" else nullcontext()
+        )
+        try:
+            with watcher:
+                stats = self.runtime.run(self.scheduler)
+                self.kind.finish_sends()
+        except BaseException as exc:
+            self.kind.drop_sends()
+            err = fail_run(ctx, key, exc)
+            if err is exc:
+                raise
+            raise err from exc
+        finish_run(ctx, key)
+        return stats
