@@ -31,6 +31,10 @@ BENCHES = [
     "bench_host_cycle",
     "bench_runtime_overhead",
     "bench_overlap",
+    "bench_bitmask",
+    "bench_sampling",
+    "bench_grammar_overlap",
+    "bench_distributed",
 ]
 # What a full run rewrites: files a run of older benchmarks left behind go too.
 OWNED = (".csv", ".png", ".html", "meta.json", "summary.json", "README.md")
