@@ -336,3 +336,15 @@ def test_failure_watcher_aborts_the_groups_once_a_peer_failed() -> None:
         while ctx.tp_group.aborted == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
     assert ctx.tp_group.aborted == 1 and ctx.token_group.aborted == 1
+
+
+def test_nccl_needs_a_gpu_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU, two local ranks (the H200 machine under torchrun --nproc-per-node 2): the default
+    is gloo on the CPU, and an explicit NCCL is refused before any rendezvous."""
+    import tfuture.distributed.context as context
+
+    monkeypatch.setattr(context.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(context.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="needs a GPU per local rank: 2 local rank"):
+        init_parallel(2, 1, rank=0, world_size=2, master_port=1, backend="nccl")

@@ -124,7 +124,9 @@ def test_all_grammar_or_no_grammar_steps():
 def test_a_prefill_chunk_that_does_not_sample_is_not_a_mask_row():
     fmap = FutureMap(16, device="cpu")
     long = RequestSpec(9, 0, np.arange(1, 20, dtype=np.int64), 4, True)
-    sched = ContinuousBatcher([*specs([True, False]), long], fmap, grammar=ToyGrammar(VOCAB), chunk=4)
+    sched = ContinuousBatcher(
+        [*specs([True, False]), long], fmap, grammar=ToyGrammar(VOCAB), chunk=4, delay="rows"
+    )
     batch = sched.schedule()
     assert batch.sample.tolist() == [True, True, False]
     assert batch.delayed.tolist() == [True, False, True] and mask_requests(batch).tolist() == [0]

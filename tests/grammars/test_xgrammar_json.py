@@ -137,7 +137,7 @@ def test_json_documents_sync_equals_overlap(setup):
 def test_grammar_and_free_requests_share_steps(setup):
     tok, compiler, grammar = setup
     specs = workload(tok, free=4)
-    ref, _, _ = run(compiler, grammar, specs, overlap=False)
+    ref, _, _ = run(compiler, grammar, specs, overlap=False, delay="rows")
     # Steps that mix grammar and free sampling rows, where only the grammar rows wait.
     assert any(isinstance(w, list) and any(w) and not all(w) for w in ref.waits)
     for delay in ("rows", "batch"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tfuture import FutureMap
 from tfuture.batch import Batch
@@ -53,27 +54,32 @@ def test_finished_requests_are_reported_once_and_never_scheduled_again():
     assert np.unique(reported).size == len(reported)
 
 
-def test_grammar_defaults_packed_masks_and_only_grammar_rows_wait():
+def test_grammar_defaults_packed_masks_and_the_whole_step_waits():
     from tfuture.testing import RequestSpec, ToyGrammar
 
     fmap = FutureMap(16, device="cpu")
     specs = [RequestSpec(i, 0, np.array([1, 2]), 4, i == 1) for i in range(3)]
     sched = ContinuousBatcher(specs, fmap, grammar=ToyGrammar(64))
-    assert (sched.mask, sched.delay) == ("bitmask", "rows")
+    assert (sched.mask, sched.delay) == ("bitmask", "batch")
+    batch = sched.schedule()
+    assert batch.delayed is True and sched.build_mask(batch).shape == (3, 2)
+
+
+def test_only_grammar_rows_wait_on_request():
+    from tfuture.testing import RequestSpec, ToyGrammar
+
+    fmap = FutureMap(16, device="cpu")
+    specs = [RequestSpec(i, 0, np.array([1, 2]), 4, i == 1) for i in range(3)]
+    sched = ContinuousBatcher(specs, fmap, grammar=ToyGrammar(64), delay="rows")
     batch = sched.schedule()
     assert batch.delayed.tolist() == [False, True, False]
     assert sched.build_mask(batch).dtype == np.int32 and sched.build_mask(batch).shape == (1, 2)
 
 
-def test_a_subclass_with_its_own_whole_step_build_mask_keeps_the_old_rule():
+def test_a_bad_delay_is_named():
     from tfuture.testing import RequestSpec, ToyGrammar
 
-    class OwnMask(ContinuousBatcher):
-        def build_mask(self, batch):  # masks every sampling row, as before delay="rows"
-            return np.ones((len(batch.tag), 64), dtype=bool)
-
     fmap = FutureMap(16, device="cpu")
-    specs = [RequestSpec(i, 0, np.array([1, 2]), 4, i == 1) for i in range(3)]
-    assert OwnMask(specs, fmap, grammar=ToyGrammar(64)).delay == "batch"
-    assert OwnMask(specs, fmap, grammar=ToyGrammar(64), delay="rows").delay == "rows"
-    assert OwnMask(specs, fmap, grammar=ToyGrammar(64)).schedule().delayed is True
+    specs = [RequestSpec(0, 0, np.array([1, 2]), 4, True)]
+    with pytest.raises(ValueError, match=r"delay must be one of \('rows', 'batch'\), got 'row'"):
+        ContinuousBatcher(specs, fmap, grammar=ToyGrammar(64), delay="row")

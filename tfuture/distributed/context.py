@@ -167,7 +167,8 @@ def init_parallel(
     Under ``torchrun`` every argument but ``tp``/``pp`` comes from the environment (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Without them and without
     ``world_size``, a single-process run (world size 1) starts on a free loopback port.
-    ``backend``: ``"nccl"`` (CUDA available) or ``"gloo"`` by default.
+    ``backend``: by default ``"nccl"`` when every local rank has a GPU of its own (NCCL refuses
+    two ranks on one device), else ``"gloo"`` on the CPU.
 
     Raises ``ValueError`` when ``tp * pp`` is not the world size, or when the ranks disagree on
     ``tp``, ``pp`` or the world size (checked through the rendezvous store before any group).
@@ -189,10 +190,17 @@ def init_parallel(
         raise ValueError(
             f"tp x pp must equal the world size: tp={tp} x pp={pp} = {tp * pp}, world size {world_size}"
         )
+    local_ranks = _env_int("LOCAL_WORLD_SIZE") or world_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if gpus >= local_ranks else "gloo"
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and gpus < local_ranks:
+        raise ValueError(
+            f"backend 'nccl' needs a GPU per local rank: {local_ranks} local rank(s), {gpus} GPU(s) "
+            "(use backend='gloo')"
+        )
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialized; init_parallel creates its own process group"
