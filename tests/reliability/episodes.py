@@ -6,16 +6,20 @@ grammar requests, finishes and aborts (:class:`AbortingBatcher`), with its own f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from tfuture.batch import Batch, StepResult
+from tfuture.batch import Batch, ForwardBatch, StepResult
 from tfuture.faults import HOST_POINTS, SPEC_POINTS, TOKEN_POINTS
 from tfuture.futures import FutureMap
+from tfuture.grammars import mask_requests
+from tfuture.sampling import Sampler, SamplingParams
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
-from tfuture.testing.toy import ToyGrammar
+from tfuture.testing.toy import ToyGrammar, ToyModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +95,39 @@ class AbortingBatcher(ContinuousBatcher):
                 self.outputs[rid] = r.out
 
     def build_mask(self, batch: Batch) -> np.ndarray:
+        """Bool rows for the sampling requests the mask covers (every one, or with
+        ``delay="rows"`` the grammar requests'), from the grammar's state."""
         assert self.grammar is not None
-        mask = np.ones((len(batch.tag), self.grammar.vocab), dtype=bool)
-        for i, r in enumerate(batch.tag):
+        rows = mask_requests(batch).tolist()
+        mask = np.ones((len(rows), self.grammar.vocab), dtype=bool)
+        for j, i in enumerate(rows):
+            r = batch.tag[i]
             if r.spec.grammar and (not r.finished or self._delivers(r.spec.rid)):
-                mask[i] = self.grammar.allowed[r.state]
+                mask[j] = self.grammar.allowed[r.state]
         return mask
+
+
+class SoftToy(ToyModel):
+    """The toy model with logits in [0, 8), so temperature and penalties change tokens."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return super().forward(batch) / 2**21
+
+
+def draw_params(rng: np.random.Generator) -> SamplingParams:
+    """One request's sampling parameters: greedy, sampled, filtered, penalised or a mix."""
+    t = float(rng.choice([0.0, 0.0, 0.7, 1.3]))
+    pen = rng.random() < 0.3
+    return SamplingParams(
+        temperature=t,
+        top_k=int(rng.choice([0, 0, 1, 5])),
+        top_p=float(rng.choice([1.0, 0.9, 0.5])),
+        min_p=float(rng.choice([0.0, 0.0, 0.1])),
+        seed=int(rng.integers(2**63 - 1)),
+        frequency_penalty=float(rng.uniform(0, 1)) if pen else 0.0,
+        presence_penalty=float(rng.uniform(0, 1)) if pen else 0.0,
+        repetition_penalty=float(rng.choice([1.0, 1.3])) if pen else 1.0,
+    )
 
 
 @dataclass(slots=True)
@@ -109,10 +140,18 @@ class Episode:
     vocab: int
     grammar: ToyGrammar | None
     aborts: dict[int, Abort]
-    batcher_kw: dict[str, int]
+    batcher_kw: dict[str, Any]
     plan_kw: dict[str, Any]
     debug: bool
     spec: bool = False  # a speculative episode (SpecStep, SpecBatcher): no grammar, no aborts
+    sampled: bool = False  # per-request SamplingParams through tfuture's Sampler (SoftToy model)
+
+    def model(self) -> ToyModel:
+        return SoftToy(vocab=self.vocab) if self.sampled else ToyModel(vocab=self.vocab)
+
+    def sampler(self) -> Sampler | None:
+        """A fresh sampler for a sampled episode: a history row for every running request."""
+        return Sampler(history_rows=2 * self.batcher_kw["max_running"]) if self.sampled else None
 
 
 def make_episode(seed: int, index: int) -> Episode:
@@ -170,7 +209,13 @@ def make_episode(seed: int, index: int) -> Episode:
         if "raise_at" in plan_kw:
             point = str(rng.choice([*SPEC_POINTS, "schedule", "process"]))
             plan_kw["raise_at"] = {point: int(rng.integers(0, 40))}
-    return Episode(index, seed, specs, vocab, grammar, aborts, batcher_kw, plan_kw, debug, spec)
+    # Drawn after everything above, so every earlier episode stays as it was.
+    sampled = not spec and bool(rng.random() < 0.3)
+    if sampled:
+        specs = [dataclasses.replace(s, params=draw_params(rng)) for s in specs]
+        if grammar is not None and rng.random() < 0.5:
+            batcher_kw["delay"] = "rows"
+    return Episode(index, seed, specs, vocab, grammar, aborts, batcher_kw, plan_kw, debug, spec, sampled)
 
 
 def compare(ep: Episode, sync: dict[int, list[int]], over: dict[int, list[int]]) -> str | None:

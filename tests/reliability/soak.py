@@ -81,6 +81,7 @@ class SoakReport:
     extra_tokens: int = 0
     debug_episodes: int = 0
     spec_episodes: int = 0
+    sampled_episodes: int = 0  # per-request SamplingParams through tfuture's Sampler
     equivalence_checked: int = 0
     sync_steps: int = 0
     faults: Counter[str] = field(default_factory=Counter)
@@ -117,7 +118,7 @@ class SoakReport:
         lines = [
             f"steps:               {self.steps} overlapped ({self.sync_steps} more in sync reruns)",
             f"episodes:            {self.episodes} ({self.debug_episodes} on a debug map, "
-            f"{self.spec_episodes} speculative, "
+            f"{self.spec_episodes} speculative, {self.sampled_episodes} with per-request sampling, "
             f"{self.equivalence_checked} checked against sync, {self.raised_episodes} stopped by a fault)",
             f"requests:            {self.requests} ({self.aborted} aborted)",
             f"tokens:              {self.tokens} delivered, {self.extra_tokens} discarded (extra steps)",
@@ -137,7 +138,7 @@ class SoakReport:
 def run_sync(ep: Episode) -> tuple[dict[int, list[int]], int]:
     fmap = FutureMap(64, device="cpu")
     sched = AbortingBatcher(ep.specs, fmap, dict(ep.aborts), grammar=ep.grammar, **ep.batcher_kw)
-    stats = OverlapRuntime(ToyModel(vocab=ep.vocab), fmap, overlap=False, trace=False).run(sched)
+    stats = OverlapRuntime(ep.model(), fmap, overlap=False, trace=False, sampler=ep.sampler()).run(sched)
     if fmap.in_use:
         raise AssertionError(f"sync rerun left {fmap.in_use} slot(s) in use")
     return sched.outputs, stats.steps
@@ -174,6 +175,7 @@ def run_checked(
     report.faults.update(plan.injected)
     report.episodes += 1
     report.debug_episodes += ep.debug
+    report.sampled_episodes += ep.sampled
     fired = sum(v for k, v in plan.injected.items() if k.startswith("raise_"))
     if raised is not None:
         report.raised_episodes += 1
@@ -195,7 +197,7 @@ def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, repor
     if ep.spec:
         return run_spec_episode(ep, fmap, max_steps, check, report, plan, where)
     sched = AbortingBatcher(ep.specs, fmap, dict(ep.aborts), grammar=ep.grammar, **ep.batcher_kw)
-    runtime = OverlapRuntime(ToyModel(vocab=ep.vocab), fmap, overlap=True, faults=plan, trace=False)
+    runtime = OverlapRuntime(ep.model(), fmap, overlap=True, faults=plan, trace=False, sampler=ep.sampler())
     raised, _ = run_checked(ep, runtime, sched, fmap, plan, max_steps, report, where)
     steps = sched.batches
     if plan.gc_every_step:
