@@ -101,6 +101,14 @@ class Batch:
                 )
         if self.sampling is not None:
             self.sampling = check_packed_params(self.sampling, n)
+        if self.ended.size and n:
+            # An ended request's state (KV rows, penalty history) is freed before this step runs.
+            live = np.flatnonzero(np.isin(self.ended, self.req_ids))
+            if live.size:
+                raise ValueError(
+                    f"Batch.ended names request {int(self.ended[live[0]])}, which is in this batch's "
+                    "req_ids: an ended request appears in no step from this one on"
+                )
         if int(self.seg_lens.sum()) != self.tokens.size:
             want = int(self.seg_lens.sum())
             raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {self.tokens.size}")

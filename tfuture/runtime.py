@@ -163,7 +163,7 @@ class OverlapRuntime:
             stats.steps += 1
             if prev is not None:
                 self._finish(prev, scheduler, stats)
-            if self.kind.delayed(batch):
+            if cur.delayed:
                 self._delayed_sample(scheduler, cur)
             prev = cur
             if not self.overlap:
@@ -226,7 +226,7 @@ class OverlapRuntime:
             dev_in = data.to(dev, non_blocking=True, copy=True)
             kind.prepare(rec, torch.tensor_split(dev_in, split))
 
-        delayed = kind.delayed(batch)
+        delayed = rec.delayed = kind.delayed(batch)
         ops = [("prepare", prepare), *kind.forward_ops(rec)]
         if not delayed:
             ops += self._sample_ops(rec, None)

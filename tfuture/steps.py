@@ -57,6 +57,7 @@ class InFlight:
     staging: Staging | None = None
     copy_done: Marker | None = None
     n_result: int = 0
+    delayed: bool = False  # decided once at launch: a scheduler may edit its batch later
 
 
 class StepKind(ABC):

@@ -17,8 +17,9 @@ import torch
 
 from tfuture.batch import Batch, ForwardBatch, HostMeta, Model, StepResult
 from tfuture.futures import FutureMap
-from tfuture.kernels.bitmask import empty_bitmask_rows, unpack_bitmask
+from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.kernels.resolve import PreparedInputs
+from tfuture.masks import check_logits, check_mask, check_rows, check_width, widen
 from tfuture.sampling import Sampler, SamplerPlan
 from tfuture.steps import InFlight, Op, StepKind, StepPlan
 
@@ -129,6 +130,7 @@ class TokenStep(StepKind):
         inputs = [batch.tokens, seg_starts, prefix, rids, lens, sample_reqs]
         splan = None
         if self.sampler is not None:
+            self.sampler.claim(self)
             splan = self.sampler.plan(
                 batch.sampling,
                 batch.req_ids,
@@ -221,10 +223,10 @@ class TokenStep(StepKind):
         into ``state.sampled``; ``mask`` bool or packed int32 for those rows."""
         state, sampler, n = rec.state, self.sampler, len(rec.out)
         assert sampler is not None and state.logits is not None
-        logits = _check_logits(state.logits, n, rec.step)
+        logits = check_logits(state.logits, n, rec.step)
         self._vocab = int(logits.shape[1])
         if mask is not None:
-            _check_width(mask, self._vocab, rec.step)  # the host checks it once the vocab is known
+            check_width(mask, self._vocab, rec.step)  # the host checks it once the vocab is known
         if rows is not None:
             logits = logits.index_select(0, rows)
         bitmask = None
@@ -245,11 +247,17 @@ class TokenStep(StepKind):
         assert fmap is not None
         dev = fmap.device
         mask_ready = None
+        unchecked: tuple[torch.Tensor, np.ndarray] | None = None
         if mask is not None:
             reqs = state.host.req_ids[state.sample_reqs[state.mask_rows]]
-            state.mask = _check_mask(mask, reqs, rec.step, self._vocab)
+            vocab = self._vocab if self._vocab is not None else getattr(self.sampler, "vocab", None)
+            state.mask = check_mask(mask, reqs, rec.step, vocab)
+            if vocab is None and not state.mask.is_cuda:
+                # Not known before the first sample: rows that allow only padding bits (tokens
+                # past the vocab) are found on the stream, from this host tensor (no sync).
+                unchecked = (state.mask, reqs)
             if state.mask_rows.size < state.late.size:
-                state.mask = _widen(state.mask, state.mask_rows, state.late.size)
+                state.mask = widen(state.mask, state.mask_rows, state.late.size)
             if dev.type == "cuda":
                 if state.mask.is_cuda:
                     # Built on the caller's stream: the forward stream must wait for it.
@@ -261,6 +269,11 @@ class TokenStep(StepKind):
                     state.mask = state.mask.pin_memory()
 
         def sample() -> None:
+            if unchecked is not None:
+                host_mask, reqs = unchecked
+                vocab = int(check_logits(state.logits, n, rec.step).shape[1])
+                check_width(host_mask, vocab, rec.step)
+                check_rows(host_mask, reqs, rec.step, vocab)
             if mask_ready is not None:
                 torch.cuda.current_stream(dev).wait_event(mask_ready)
             mask_dev = None if state.mask is None else state.mask.to(dev, non_blocking=True)
@@ -268,8 +281,8 @@ class TokenStep(StepKind):
                 self._sample_rows(rec, state.late_dev if state.now.size else None, mask_dev)
                 return
             if mask_dev is not None:
-                vocab = self._vocab = int(_check_logits(state.logits, n, rec.step).shape[1])
-                _check_width(mask_dev, vocab, rec.step)
+                vocab = self._vocab = int(check_logits(state.logits, n, rec.step).shape[1])
+                check_width(mask_dev, vocab, rec.step)
                 if mask_dev.dtype != torch.bool:
                     mask_dev = unpack_bitmask(mask_dev, vocab)
             tokens = model.sample(state.logits, state.fwd, mask_dev)
@@ -299,65 +312,7 @@ class TokenStep(StepKind):
 
     def close(self) -> None:
         if self.sampler is not None:
-            self.sampler.reset()
+            self.sampler.unclaim(self)  # frees the history rows this run's requests held
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
-
-
-def _check_logits(logits: object, n: int, step: int) -> torch.Tensor:
-    """The forward's logits as the sampler needs them: a ``[n_sample, vocab]`` float tensor."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
-        got = (
-            f"{logits.dtype} {tuple(logits.shape)}"
-            if isinstance(logits, torch.Tensor)
-            else type(logits).__name__
-        )
-        raise ValueError(f"forward of step {step} must return [n_sample={n}, vocab] logits, got {got}")
-    return logits
-
-
-def _check_width(mask: torch.Tensor, vocab: int, step: int) -> None:
-    """Raise unless ``mask`` has the columns of ``vocab`` (bool) or ``ceil(vocab / 32)`` (packed)."""
-    width = vocab if mask.dtype == torch.bool else -(-vocab // 32)
-    if mask.shape[1] != width:
-        what = "vocab" if mask.dtype == torch.bool else "ceil(vocab / 32)"
-        raise ValueError(
-            f"build_mask of step {step}: the mask must have {what} = {width} columns for the model's "
-            f"vocab of {vocab}, got {mask.shape[1]}"
-        )
-
-
-def _widen(mask: torch.Tensor, rows: np.ndarray, n: int) -> torch.Tensor:
-    """A host ``mask`` of sampling rows ``rows`` as one of all ``n`` rows, the others allowing
-    every token (for a model that samples every row at once)."""
-    full = torch.full((n, mask.shape[1]), True if mask.dtype == torch.bool else -1, dtype=mask.dtype)
-    full[torch.from_numpy(rows)] = mask
-    return full
-
-
-def _check_mask(mask: object, reqs: np.ndarray, step: int, vocab: int | None) -> torch.Tensor:
-    """``mask`` for the waiting rows of requests ``reqs`` (their ids): a bool ``[m, vocab]``
-    mask or a packed int32 ``[m, ceil(vocab / 32)]`` bitmask; on the host, every row allows a
-    token (of the first ``vocab``, once known)."""
-    m = reqs.size
-    t = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(mask)
-    if t.dim() != 2 or t.shape[0] != m or t.dtype not in (torch.bool, torch.int32):
-        raise ValueError(
-            f"build_mask of step {step} must return a bool [rows={m}, vocab] mask or a packed int32 "
-            f"[rows={m}, ceil(vocab / 32)] bitmask, got {t.dtype} of shape {tuple(t.shape)}"
-        )
-    if vocab is not None:
-        _check_width(t, vocab, step)
-    if not t.is_cuda and m:
-        # A row that allows nothing would sample token 0 silently; on the host this costs no sync.
-        if t.dtype == torch.bool:
-            empty = np.flatnonzero(~t.any(dim=1).numpy())
-        else:
-            empty = empty_bitmask_rows(t, vocab)
-        if empty.size:
-            raise ValueError(
-                f"build_mask of step {step}: the mask row of request id {int(reqs[empty[0]])} "
-                f"(mask row {int(empty[0])}) allows no token ({empty.size} such row(s))"
-            )
-    return t

@@ -348,3 +348,17 @@ def test_nccl_needs_a_gpu_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="needs a GPU per local rank: 2 local rank"):
         init_parallel(2, 1, rank=0, world_size=2, master_port=1, backend="nccl")
+
+
+def test_a_mask_row_that_allows_only_padding_bits_is_refused_once_the_vocab_is_known() -> None:
+    from tfuture.distributed.stage import MicroState, check_mask, check_mask_width
+
+    state = MicroState(None, 0, np.array([0, 1]), None, np.empty(0, np.int64), 2, np.array([1]))
+    state.mask = check_mask(np.array([[0, 1 << 10]], dtype=np.int32), state, 3)  # token 42 only
+    with pytest.raises(
+        ValueError, match="step 3: the mask row of request -1 allows no token of the vocab of 40"
+    ):
+        check_mask_width(state, 40, 3)
+    check_mask_width(state, 43, 3)  # token 42 is in a vocab of 43
+    with pytest.raises(ValueError, match=r"ceil\(80 / 32\) words \(the logits' vocab\), got 2"):
+        check_mask_width(state, 80, 3)

@@ -272,3 +272,67 @@ def test_a_model_without_sample_gets_the_default_sampler() -> None:
     OverlapRuntime(NoSample(), fmap).run(sched)
     expected, _ = run(specs, overlap=True, sampler=None)
     assert sched.outputs == expected
+
+
+# ------------------------------------------------------------------ found in review
+
+
+class FlipsDelayed:
+    """Sets the next batch's ``delayed`` while processing a step (after that batch launched)."""
+
+    def __init__(self, batches: list[Batch], flip_to: object) -> None:
+        self.batches, self.flip_to, self.i, self.tokens = batches, flip_to, 0, []
+
+    def schedule(self) -> Batch | None:
+        if self.i == len(self.batches):
+            return None
+        self.i += 1
+        return self.batches[self.i - 1]
+
+    def process(self, result) -> None:
+        self.tokens.append(result.tokens.tolist())
+        if result.step + 1 < len(self.batches):
+            self.batches[result.step + 1].delayed = self.flip_to
+
+    def build_mask(self, batch: Batch) -> object:
+        return None
+
+
+@pytest.mark.parametrize("flip_to", [True, False])
+def test_a_batch_edited_after_its_launch_samples_once(flip_to: bool) -> None:
+    """The runtime decides at launch whether a step waits; a later edit changes nothing."""
+    batches = [two_requests(delayed=not flip_to), two_requests(delayed=not flip_to)]
+    fmap = FutureMap(8, device="cpu", debug=True)  # a second store into a slot would raise
+    sched = FlipsDelayed(batches, flip_to)
+    OverlapRuntime(SoftToy(vocab=VOCAB), fmap, sampler=Sampler(), delay=stream_jitter).run(sched)
+    assert len(sched.tokens) == 2 and fmap.in_use == 0
+
+
+def test_one_sampler_serves_one_run_at_a_time() -> None:
+    sampler = Sampler()
+    other = object()
+    sampler.claim(other)  # as a runtime running elsewhere would
+    assert_refused(two_requests(), None, "in use by another running runtime", sampler, RuntimeError)
+    assert sampler.unclaim(other)
+    fmap = FutureMap(8, device="cpu")
+    OverlapRuntime(SoftToy(vocab=VOCAB), fmap, sampler=sampler).run(OneStep(two_requests()))
+    assert fmap.in_use == 0 and sampler.unclaim(other) is False  # the run gave it back
+
+
+def test_a_row_that_allows_only_padding_bits_is_refused_before_any_sample() -> None:
+    """Vocab 40: the bitmask's second word has padding bits 40..63. Allowing only token 42 is
+    allowing nothing, found on the first (delayed) step, before the host knows the vocab."""
+
+    bitmask = np.full((1, 2), -1, dtype=np.int32)
+    bitmask[0] = [0, 1 << 10]  # token 32 + 10 = 42 only
+    batch = two_requests(delayed=np.array([False, True]))
+    fmap = FutureMap(8, device="cpu")
+    rt = OverlapRuntime(SoftToy(vocab=40), fmap, sampler=Sampler())
+    with pytest.raises(ValueError, match=r"step 0: the mask row of request id 8 .*allows no token"):
+        rt.run(OneStep(batch, bitmask))
+    assert fmap.in_use == 0 and not worker_threads()
+
+
+def test_an_ended_request_in_the_same_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"Batch\.ended names request 8"):
+        two_requests(ended=np.array([8]))

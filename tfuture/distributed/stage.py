@@ -61,6 +61,7 @@ class MicroState:
     out: torch.Tensor | None = None  # hidden state (not last stage) or logits (last stage)
     sampled: torch.Tensor | None = None  # last stage: this micro-batch's tokens, int64
     mask: torch.Tensor | None = None
+    mask_packed: bool = False  # the scheduler sent a packed bitmask (unpacked to 32 bits a word)
     mask_ready: Any = None
     delivers: MicroState | None = None  # the micro-batch whose tokens this step stores
     delivered: torch.Tensor | None = None  # those tokens, int64 [n_out]
@@ -105,6 +106,36 @@ def plan_micro(micro: Batch, group: int) -> tuple[MicroState, tuple[np.ndarray, 
     return state, (micro.tokens, seg_starts, micro.prefix_lens, micro.req_ids, lens, sample_reqs)
 
 
+def _check_rows(t: torch.Tensor, state: MicroState, step: int, vocab: int) -> None:
+    """On the host (a CPU mask): every waiting row allows one of the first ``vocab`` tokens."""
+    if t.is_cuda or not state.mask_rows.size:
+        return
+    rows = t if t.shape[0] == state.mask_rows.size else t[torch.from_numpy(state.mask_rows)]
+    empty = np.flatnonzero(~rows[:, :vocab].any(dim=1).numpy())
+    if empty.size:
+        rid = int(state.host.req_ids[state.sample_reqs[state.mask_rows[empty[0]]]]) if state.host else -1
+        raise ValueError(
+            f"build_mask of step {step}: the mask row of request {rid} allows no token of the "
+            f"vocab of {vocab}"
+        )
+
+
+def check_mask_width(state: MicroState, vocab: int, step: int) -> None:
+    """On the stream, once the logits give ``vocab``: the mask has its exact width (``vocab``
+    columns, or ``ceil(vocab / 32)`` words when packed) and no waiting row allows only tokens
+    past ``vocab`` (padding bits)."""
+    mask = state.mask
+    assert mask is not None
+    want = 32 * -(-vocab // 32) if state.mask_packed else vocab
+    if mask.shape[1] != want:
+        what = f"ceil({vocab} / 32) words" if state.mask_packed else f"{vocab} columns"
+        got = mask.shape[1] // 32 if state.mask_packed else mask.shape[1]
+        raise ValueError(
+            f"build_mask of step {step}: the mask must have {what} (the logits' vocab), got {got}"
+        )
+    _check_rows(mask, state, step, vocab)
+
+
 def check_mask(mask: object, state: MicroState, step: int) -> torch.Tensor:
     """``mask`` for ``state``'s waiting rows (bool ``[m, vocab]`` or packed int32
     ``[m, ceil(vocab / 32)]``: bit ``j`` of word ``w`` allows token ``32 w + j``) as a bool
@@ -117,13 +148,11 @@ def check_mask(mask: object, state: MicroState, step: int) -> torch.Tensor:
             f"build_mask must return a bool [{m}, vocab] mask or an int32 [{m}, ceil(vocab / 32)] bitmask "
             f"for the {m} waiting sampling rows, got {t.dtype} of shape {tuple(t.shape)}"
         )
-    if t.dtype == torch.int32:
-        t = ((t[:, :, None] >> _BITS.to(t.device)) & 1).bool().reshape(m, -1)
-    if not t.is_cuda and m:
-        empty = np.flatnonzero(~t.any(dim=1).numpy())
-        if empty.size:
-            rid = int(state.host.req_ids[state.sample_reqs[state.mask_rows[empty[0]]]]) if state.host else -1
-            raise ValueError(f"build_mask of step {step}: the mask row of request {rid} allows no token")
+    state.mask_packed = t.dtype == torch.int32
+    if state.mask_packed:
+        bits = _BITS if t.device.type == "cpu" else _BITS.to(t.device)
+        t = ((t[:, :, None] >> bits) & 1).bool().reshape(m, -1)
+    _check_rows(t, state, step, t.shape[1])  # early; again with the vocab once it is known
     if m == state.n_sample:
         return t
     full = torch.ones(state.n_sample, t.shape[1], dtype=torch.bool, device=t.device)

@@ -30,7 +30,15 @@ from tfuture.batch import ForwardBatch, StepResult
 from tfuture.distributed.checks import check_batch, check_stored_tokens
 from tfuture.distributed.context import ParallelContext
 from tfuture.distributed.micro import MicroBatch, MicroResult
-from tfuture.distributed.stage import MicroState, StageModel, bubble, check_mask, is_delayed, plan_micro
+from tfuture.distributed.stage import (
+    MicroState,
+    StageModel,
+    bubble,
+    check_mask,
+    check_mask_width,
+    is_delayed,
+    plan_micro,
+)
 from tfuture.futures import FutureMap
 from tfuture.steps import InFlight, Op, StepKind, StepPlan
 
@@ -166,7 +174,11 @@ class ParallelStep(StepKind):
 
             def send_hidden() -> None:
                 assert state.out is not None
-                self._isend(step, state.out.contiguous(), dst, ctx.hidden_group)
+                # A copy: a model may hand back a reused (CUDA-graph) buffer, and the send reads
+                # it asynchronously, maybe after the next forward rewrote it.
+                self._isend(
+                    step, state.out.clone(memory_format=torch.contiguous_format), dst, ctx.hidden_group
+                )
                 state.out = None
 
             ops.append(("send_hidden", send_hidden))
@@ -228,9 +240,10 @@ class ParallelStep(StepKind):
             mask = None
             if state.mask is not None:
                 vocab = state.out.shape[-1]
-                if state.mask.shape[1] < vocab:
-                    raise ValueError(f"the mask covers {state.mask.shape[1]} tokens, the logits {vocab}")
-                mask = state.mask[:, :vocab].to(ctx.device, non_blocking=True)
+                check_mask_width(state, vocab, state.step)
+                # The whole pinned tensor, sliced on the device: a strided view of it would be
+                # copied through a pageable temporary, a copy that waits for the stream.
+                mask = state.mask.to(ctx.device, non_blocking=True)[:, :vocab]
             tokens = self.model.sample(state.out, state.fwd, mask)
             if (
                 not isinstance(tokens, torch.Tensor)
@@ -243,7 +256,9 @@ class ParallelStep(StepKind):
                     else type(tokens)
                 )
                 raise ValueError(f"sample must return [{n}] integer token ids, got {got}")
-            tokens = tokens.to(torch.int64).contiguous()
+            # A copy: the tokens are stored ``lag`` steps later and sent asynchronously, and a
+            # model may return a reused buffer.
+            tokens = tokens.to(torch.int64, copy=True)
         else:
             tokens = torch.empty(n, dtype=torch.int64, device=ctx.device)
         if ctx.tp > 1:

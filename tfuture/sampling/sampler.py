@@ -12,6 +12,7 @@ on the stream, so the next step's sample sees the token even though the host has
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -38,6 +39,9 @@ from tfuture.sampling.plan import (
 __all__ = ["Sampler", "SamplerState"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+_CLAIM_LOCK = threading.Lock()
 
 
 class SamplerState(NamedTuple):
@@ -91,8 +95,34 @@ class Sampler:
         self._arange: torch.Tensor | None = None
         self._zeros: dict[torch.dtype, torch.Tensor] = {}
         self._pending: list[_Pending] = []
+        self._owner: object | None = None
 
     # ----------------------------------------------------------------------------- host
+    def claim(self, owner: object) -> None:
+        """HOST: ``owner`` (a runtime's step) samples with this Sampler until :meth:`unclaim`.
+
+        The device history belongs to one run at a time: a second owner while the first one
+        runs raises ``RuntimeError`` (its rows would be freed and zeroed under the first one)."""
+        if self._owner is owner:
+            return
+        with _CLAIM_LOCK:
+            if self._owner is not None:
+                raise RuntimeError(
+                    "this Sampler is in use by another running runtime: a Sampler's device history "
+                    "serves one run at a time (give each runtime its own Sampler)"
+                )
+            self._owner = owner
+
+    def unclaim(self, owner: object) -> bool:
+        """HOST, after ``owner``'s run ended (the stream drained): free every history row and
+        give the Sampler back. False (nothing done) if ``owner`` does not hold it."""
+        with _CLAIM_LOCK:
+            if self._owner is not owner:
+                return False
+            self.reset()
+            self._owner = None
+            return True
+
     def plan(
         self,
         params: np.ndarray | None,
