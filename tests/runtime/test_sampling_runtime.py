@@ -336,3 +336,12 @@ def test_a_row_that_allows_only_padding_bits_is_refused_before_any_sample() -> N
 def test_an_ended_request_in_the_same_batch_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Batch\.ended names request 8"):
         two_requests(ended=np.array([8]))
+
+
+def test_the_batcher_holds_penalised_requests_back_while_history_rows_are_taken() -> None:
+    specs = with_params(random_workload(4, 6, vocab=VOCAB, max_new=6, arrival_span=0), (PENALISED,))
+    wide, _ = run(specs, overlap=True, sampler=Sampler(history_rows=6), max_running=6)
+    narrow, _ = run(specs, overlap=True, sampler=Sampler(history_rows=2), max_running=6, history_rows=2)
+    assert narrow == wide  # a penalised request's tokens depend on its own history only
+    with pytest.raises(ValueError, match="all history_rows=2 device history rows are held"):
+        run(specs, overlap=True, sampler=Sampler(history_rows=2), max_running=6)

@@ -123,6 +123,8 @@ class ContinuousBatcher:
     saved at 50% grammar requests (``perf/results/h200/``, ``bench_grammar_overlap``), while on
     the CPU worker "rows" gained 6-18%. When any request has ``params``, ``Batch.sampling`` holds every batch
     request's packed :class:`tfuture.sampling.SamplingParams` row (defaults where None).
+    ``history_rows``: the runtime Sampler's ``history_rows``; requests with penalties wait for
+    admission while that many run (back-pressure), instead of failing the run for want of a row.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class ContinuousBatcher:
         host_work_holds_gil: bool = False,
         mask: str = "bitmask",
         delay: str = "batch",
+        history_rows: int | None = None,
     ) -> None:
         if mask not in MASK_KINDS:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {mask!r}")
@@ -147,6 +150,9 @@ class ContinuousBatcher:
         self.fmap, self.grammar, self.mask, self.delay = fmap, grammar, mask, delay
         self.vocab = _grammar_vocab(specs, grammar)
         self._default_row = _default_params_row(specs)
+        if history_rows is not None and history_rows < 1:
+            raise ValueError(f"history_rows must be None or >= 1, got {history_rows}")
+        self.history_rows = history_rows
         self.stop = frozenset((eos,) if isinstance(eos, int | np.integer) else (int(t) for t in eos))
         self.eos = min(self.stop) if self.stop else -1  # one of them, for callers that read eos
         self.max_running, self.chunk, self.token_budget = max_running, chunk, token_budget
@@ -176,7 +182,12 @@ class ContinuousBatcher:
         # Finished requests leave the batch for good: report them in the next batch built.
         self._ended.extend(r.spec.rid for r in self.running if r.finished)
         self.running = [r for r in self.running if not r.finished]
-        while self.waiting and len(self.running) < self.max_running and self.waiting[0].arrival <= self.tick:
+        while (
+            self.waiting
+            and len(self.running) < self.max_running
+            and self.waiting[0].arrival <= self.tick
+            and self._history_row_free(self.waiting[0])
+        ):
             self.running.append(self._admit(self.waiting.pop(0)))
         if not self.running and self.waiting:
             # Idle until the next arrival: jump the clock instead of spinning.
@@ -203,6 +214,13 @@ class ContinuousBatcher:
             self._check_not_stuck()
             return None
         return self._build(rows)
+
+    def _history_row_free(self, spec: RequestSpec) -> bool:
+        """With ``history_rows``: a request with penalties waits until a running one ends."""
+        if self.history_rows is None or spec.params is None or not spec.params.has_penalties:
+            return True
+        held = sum(r.spec.params is not None and r.spec.params.has_penalties for r in self.running)
+        return held < self.history_rows
 
     def _check_not_stuck(self) -> None:
         """Called when nothing can be scheduled: raise if nothing ever will be.
