@@ -82,7 +82,7 @@ def build_bitmask(matchers: Sequence[Matcher | None], vocab: int, kind: str = "b
     """One mask row per entry of ``matchers``: the matcher's allowed tokens, or every token for None.
 
     ``kind="bitmask"`` returns the packed ``int32 [n, ceil(vocab / 32)]`` host bitmask;
-    ``"bool"`` the same unpacked to ``bool [n, vocab]`` (the convenience, 32x the bytes).
+    ``"bool"`` the same unpacked to ``bool [n, vocab]`` (the convenience, 8x the bytes).
     """
     if kind not in MASK_KINDS:
         raise ValueError(f"kind must be one of {MASK_KINDS}, got {kind!r}")
