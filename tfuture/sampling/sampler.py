@@ -1,13 +1,10 @@
 """The device side of sampling: :class:`Sampler` (plan on the host, the rest on the stream).
 
 Per step: ``plan`` (host) -> ``prepare`` -> ``observe`` -> ``sample`` (once or in parts) ->
-``record``, the last four on the forward stream in that order. The device history is two
-tables of ``history_rows + 2`` rows by the vocab: ``counts`` (int32, how often each token was
-sampled for the request) and ``seen`` (bool, the token occurred in the request's inputs or
-outputs). Row 0 is all zero and never written (the row of requests without penalties, so every
-sampling row can take the same ops); row ``history_rows + 1`` takes marks that went stale before
-the tables existed and is never read. ``record`` updates the tables right after a step's sample,
-on the stream, so the next step's sample sees the token even though the host has not.
+``record``, the last four on the forward stream in that order. The penalties read a device
+token history (:class:`tfuture.sampling.history.TokenHistory`) that ``record`` updates right
+after a step's sample, on the stream, so the next step's sample sees the token even though the
+host has not.
 """
 
 from __future__ import annotations
@@ -19,13 +16,12 @@ import numpy as np
 import torch
 
 from tfuture.args import as_count
+from tfuture.kernels.bitmask import launch_apply_token_bitmask_
+from tfuture.sampling.history import TokenHistory
 from tfuture.sampling.plan import (
     R_DRAW,
-    R_FREQ,
     R_HIST,
     R_MIN_P,
-    R_PRES,
-    R_REP,
     R_TEMP,
     R_TOP_K,
     R_TOP_P,
@@ -55,14 +51,6 @@ class SamplerState(NamedTuple):
     obs_rows: torch.Tensor
 
 
-class _Pending(NamedTuple):
-    """``seen`` marks observed before the tables existed (vocab unknown until the first logits)."""
-
-    host_rows: np.ndarray
-    rows: torch.Tensor
-    tokens: torch.Tensor
-
-
 class Sampler:
     """Per-request sampling on the device: temperature, top-k, top-p, min-p, seeded draws, and
     frequency/presence/repetition penalties from a device-side token history.
@@ -88,14 +76,21 @@ class Sampler:
         self._rows = HistoryRows(self.history_rows)  # host only
         # Forward-stream state from here on.
         self.vocab: int | None = vocab_size
-        self.counts: torch.Tensor | None = None
-        self.seen: torch.Tensor | None = None
-        self._ones: torch.Tensor | None = None
-        self._true: torch.Tensor | None = None
+        self.history = TokenHistory(self.history_rows)
         self._arange: torch.Tensor | None = None
         self._zeros: dict[torch.dtype, torch.Tensor] = {}
-        self._pending: list[_Pending] = []
         self._owner: object | None = None
+
+    @property
+    def counts(self) -> torch.Tensor | None:
+        """The device history's output counts, ``[history_rows + 2, vocab]`` int32 (None
+        before the vocab is known)."""
+        return self.history.counts
+
+    @property
+    def seen(self) -> torch.Tensor | None:
+        """The device history's seen flags, ``[history_rows + 2, vocab]`` bool."""
+        return self.history.seen
 
     # ----------------------------------------------------------------------------- host
     def claim(self, owner: object) -> None:
@@ -155,7 +150,7 @@ class Sampler:
         """HOST, after a run (the stream drained): free every history row. The tables stay
         allocated; a row is zeroed when it is assigned again."""
         self._rows.reset()
-        self._pending = []
+        self.history.forget_pending()
 
     @property
     def live_rows(self) -> int:
@@ -178,12 +173,8 @@ class Sampler:
         blk, rec_idx, rec_rows, obs_idx, obs_rows, new = words.split(plan.sizes)
         block = blk.view(ROW_WORDS, plan.n_sample) if plan.sizes[0] else None
         if plan.sizes[5]:
-            self._ensure_tables(words.device)
-            if self.counts is not None and self.seen is not None:
-                self.counts.index_fill_(0, new, 0)
-                self.seen.index_fill_(0, new, False)
-            elif self._pending:
-                self._drop_pending(plan.new_rows, new)
+            self.history.ensure(self.vocab, words.device)
+            self.history.zero(plan.new_rows, new)
         return SamplerState(plan, block, rec_idx, rec_rows, obs_idx, obs_rows)
 
     def observe(self, state: SamplerState, input_ids: torch.Tensor) -> None:
@@ -197,12 +188,8 @@ class Sampler:
         tokens = input_ids.index_select(0, state.obs_idx)
         if tokens.dtype != torch.int64:
             tokens = tokens.long()
-        self._ensure_tables(input_ids.device)
-        if self.seen is None:
-            self._pending.append(_Pending(state.plan.obs_rows, state.obs_rows, tokens))
-            return
-        assert self._true is not None
-        self.seen.index_put_((state.obs_rows, tokens), self._true)
+        self.history.ensure(self.vocab, input_ids.device)
+        self.history.mark_seen(state.plan.obs_rows, state.obs_rows, tokens)
 
     def sample(
         self,
@@ -242,14 +229,12 @@ class Sampler:
         x = logits
         if plan.penalized:
             assert block is not None and floats is not None
-            x = self._penalise(x.to(work), floats, block[R_HIST], plan)
+            x = self.history.penalise(x.to(work), floats, block[R_HIST], plan)
         if bitmask is not None:
             _check_bitmask(bitmask, m, vocab, logits.device)
             if x is logits:
                 x = logits.to(work, copy=True)
-            from tfuture.kernels.bitmask import apply_token_bitmask_
-
-            apply_token_bitmask_(x, bitmask)
+            launch_apply_token_bitmask_(x, bitmask)  # x is a fresh contiguous copy: checked above
         if not plan.sampled:
             return x.argmax(dim=1)
         assert block is not None and floats is not None
@@ -265,13 +250,10 @@ class Sampler:
         if not isinstance(tokens, torch.Tensor) or tokens.shape != (state.plan.n_sample,):
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"record expects [{state.plan.n_sample}] tokens, got {got}")
-        if self.counts is None or self.seen is None or self._ones is None or self._true is None:
-            raise RuntimeError("Sampler.record before any sample: the history tables do not exist yet")
         picked = tokens.index_select(0, state.rec_idx)
         if picked.dtype != torch.int64:
             picked = picked.long()
-        self.counts.index_put_((state.rec_rows, picked), self._ones[:n], accumulate=True)
-        self.seen.index_put_((state.rec_rows, picked), self._true)
+        self.history.count(state.rec_rows, picked)
 
     # ------------------------------------------------------------------------ internals
     def _check_logits(self, logits: object, plan: SamplerPlan, rows: object) -> tuple[int, int]:
@@ -294,50 +276,8 @@ class Sampler:
                 f"logits have vocab {vocab} but this Sampler's history was made for {self.vocab}"
             )
         if self.history_rows:
-            self._ensure_tables(logits.device)
+            self.history.ensure(vocab, logits.device)
         return m, vocab
-
-    def _ensure_tables(self, device: torch.device) -> None:
-        """Allocate the history once the vocab is known; replay marks made before."""
-        if self.counts is not None:
-            if self.counts.device != device:
-                raise ValueError(
-                    f"this Sampler's history lives on {self.counts.device}, got a tensor on {device}"
-                )
-            return
-        if self.vocab is None or not self.history_rows:
-            return
-        shape = (self.history_rows + 2, self.vocab)
-        self.counts = torch.zeros(shape, dtype=torch.int32, device=device)
-        self.seen = torch.zeros(shape, dtype=torch.bool, device=device)
-        self._ones = torch.ones(self.history_rows + 1, dtype=torch.int32, device=device)
-        self._true = torch.ones((), dtype=torch.bool, device=device)
-        for p in self._pending:
-            self.seen.index_put_((p.rows, p.tokens), self._true)
-        self._pending = []
-
-    def _drop_pending(self, host_new: np.ndarray, new: torch.Tensor) -> None:
-        """Rows reassigned before the tables exist: their earlier marks go to the trash row."""
-        trash = self.history_rows + 1
-        for i, p in enumerate(self._pending):
-            stale = np.isin(p.host_rows, host_new)
-            if stale.any():
-                rows = torch.where(torch.isin(p.rows, new), trash, p.rows)
-                self._pending[i] = _Pending(np.where(stale, trash, p.host_rows), rows, p.tokens)
-
-    def _penalise(
-        self, x: torch.Tensor, floats: torch.Tensor, hist: torch.Tensor, plan: SamplerPlan
-    ) -> torch.Tensor:
-        """Repetition, then frequency and presence; out of place (``x`` may be the caller's)."""
-        assert self.counts is not None and self.seen is not None
-        if plan.repetition:
-            r = floats[R_REP].unsqueeze(1)
-            seen = self.seen.index_select(0, hist)
-            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        if plan.counts:
-            c = self.counts.index_select(0, hist).to(x.dtype)
-            x = x - floats[R_FREQ].unsqueeze(1) * c - floats[R_PRES].unsqueeze(1) * (c > 0)
-        return x
 
     def _draw(
         self, x: torch.Tensor, floats: torch.Tensor, top_k: torch.Tensor, plan: SamplerPlan, vocab: int
@@ -384,3 +324,7 @@ def _check_bitmask(bitmask: object, m: int, vocab: int, device: torch.device) ->
     assert isinstance(bitmask, torch.Tensor)
     if bitmask.device != device:
         raise ValueError(f"bitmask is on {bitmask.device} but logits are on {device}")
+    if words > 1 and bitmask.stride(1) != 1:
+        raise ValueError(
+            f"bitmask must have contiguous rows (stride(1) == 1), got strides {bitmask.stride()}"
+        )

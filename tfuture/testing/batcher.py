@@ -23,25 +23,13 @@ import numpy as np
 
 from tfuture.batch import Batch, StepResult
 from tfuture.futures import FutureIndices, FutureMap
-from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests, shared_vocab
-from tfuture.sampling import SamplingParams
+from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests
+from tfuture.testing.workload import RequestSpec, default_params_row, grammar_vocab, random_workload, spin
+
+__all__ = ["DELAYS", "ContinuousBatcher", "RequestSpec", "random_workload", "spin"]
 
 DELAYS = ("rows", "batch")
 _NO_ROW = np.empty(0, dtype=np.int64)  # a request's sampling row when no request has params
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """One request: id, arrival (in scheduler ticks), prompt ``[n]`` int64, length limit,
-    grammar (False; True: the batcher's grammar; or a :class:`tfuture.grammars.Grammar` of its
-    own) and sampling parameters (None: the sampler's defaults, greedy)."""
-
-    rid: int
-    arrival: int
-    prompt: np.ndarray
-    max_new: int
-    grammar: bool | Grammar = False
-    params: SamplingParams | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -63,40 +51,6 @@ class _Req:
     @property
     def done_by_length(self) -> bool:
         return len(self.out) + self.n_pending >= self.spec.max_new
-
-
-def random_workload(
-    seed: int,
-    n_requests: int,
-    *,
-    vocab: int = 64,
-    max_prompt: int = 24,
-    max_new: int = 24,
-    arrival_span: int = 20,
-    grammar_share: float = 0.0,
-) -> list[RequestSpec]:
-    """Seeded requests with random prompt lengths, limits and arrival ticks."""
-    rng = np.random.default_rng(seed)
-    specs = []
-    for rid in range(n_requests):
-        prompt = rng.integers(1, vocab, int(rng.integers(1, max_prompt + 1)), dtype=np.int64)
-        specs.append(
-            RequestSpec(
-                rid,
-                int(rng.integers(0, arrival_span + 1)),
-                prompt,
-                int(rng.integers(1, max_new + 1)),
-                bool(rng.random() < grammar_share),
-            )
-        )
-    return specs
-
-
-def spin(seconds: float) -> None:
-    """Busy host work that holds the GIL, like a Python scheduler's bookkeeping."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 class ContinuousBatcher:
@@ -121,8 +75,9 @@ class ContinuousBatcher:
     requests' samples wait for their masks: ``Batch.delayed`` is a bool array). ``"batch"`` is
     the default because on an H200 splitting a step's sample in two cost about 10% more than it
     saved at 50% grammar requests (``perf/results/h200/``, ``bench_grammar_overlap``), while on
-    the CPU worker "rows" gained 6-18%. When any request has ``params``, ``Batch.sampling`` holds every batch
-    request's packed :class:`tfuture.sampling.SamplingParams` row (defaults where None).
+    the CPU worker "rows" gained about 10% (``perf/results/cpu/``). When any request has
+    ``params``, ``Batch.sampling`` holds every batch request's packed
+    :class:`tfuture.sampling.SamplingParams` row (defaults where None).
     ``history_rows``: the runtime Sampler's ``history_rows``; requests with penalties wait for
     admission while that many run (back-pressure), instead of failing the run for want of a row.
     """
@@ -148,8 +103,8 @@ class ContinuousBatcher:
         if delay not in DELAYS:
             raise ValueError(f"delay must be one of {DELAYS}, got {delay!r}")
         self.fmap, self.grammar, self.mask, self.delay = fmap, grammar, mask, delay
-        self.vocab = _grammar_vocab(specs, grammar)
-        self._default_row = _default_params_row(specs)
+        self.vocab = grammar_vocab(specs, grammar)
+        self._default_row = default_params_row(specs)
         if history_rows is not None and history_rows < 1:
             raise ValueError(f"history_rows must be None or >= 1, got {history_rows}")
         self.history_rows = history_rows
@@ -346,23 +301,3 @@ class ContinuousBatcher:
     @property
     def idle(self) -> bool:
         return not self.waiting and all(r.finished for r in self.running)
-
-
-def _grammar_vocab(specs: list[RequestSpec], grammar: Grammar | None) -> int | None:
-    """The vocab every grammar of the run shares (None without grammars); raise on a mismatch."""
-    named: dict[str, object] = {} if grammar is None else {"grammar": grammar}
-    for s in specs:
-        if s.grammar is True and grammar is None:
-            raise ValueError(f"request {s.rid} asks for a grammar but no grammar was given")
-        if not isinstance(s.grammar, bool):
-            named[f"request {s.rid}'s grammar"] = s.grammar
-    return shared_vocab(named)
-
-
-def _default_params_row(specs: list[RequestSpec]) -> np.ndarray | None:
-    """The packed default SamplingParams row when any request has params, else None."""
-    for s in specs:
-        if s.params is not None and not isinstance(s.params, SamplingParams):
-            got = type(s.params).__name__
-            raise TypeError(f"request {s.rid}: params must be a SamplingParams or None, got {got}")
-    return None if all(s.params is None for s in specs) else SamplingParams().pack()
