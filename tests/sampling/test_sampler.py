@@ -311,3 +311,22 @@ def test_no_host_sync_on_cuda() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def test_a_bitmask_applies_to_logits_with_strided_rows() -> None:
+    """A transposed logits tensor (stride(1) != 1) gets the same tokens as a contiguous one."""
+    s = Sampler()
+    plan = s.plan(
+        None,
+        np.array([1, 2]),
+        np.ones(2, np.int64),
+        np.zeros(2, np.int64),
+        np.arange(2),
+        np.empty(0, np.int64),
+        0,
+    )
+    state = s.prepare(plan, torch.from_numpy(plan.words))
+    logits = torch.randn(40, 2).t()
+    bitmask = torch.zeros(2, 2, dtype=torch.int32)
+    bitmask[:, 0] = 1 << 3  # token 3 only
+    assert s.sample(state, logits, bitmask=bitmask).tolist() == [3, 3]

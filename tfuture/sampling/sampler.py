@@ -234,7 +234,10 @@ class Sampler:
             _check_bitmask(bitmask, m, vocab, logits.device)
             if x is logits:
                 x = logits.to(work, copy=True)
-            launch_apply_token_bitmask_(x, bitmask)  # x is a fresh contiguous copy: checked above
+            # x is a copy of our own, with rows made contiguous here (a copy keeps the caller's
+            # strides): the bitmask was checked above, so the unchecked launch.
+            x = x.contiguous()
+            launch_apply_token_bitmask_(x, bitmask)
         if not plan.sampled:
             return x.argmax(dim=1)
         assert block is not None and floats is not None
