@@ -30,7 +30,7 @@ soak: $(STAMP)
 	$(PY) tests/reliability/soak.py --steps 100000
 
 demo: $(STAMP)
-	$(PY) -m tfuture.demo
+	$(PY) -m tfuture.testing.demo
 
 # A small random-weight Hugging Face Llama through the runtime: sync vs overlap.
 demo-hf: $(STAMP)

@@ -28,7 +28,7 @@ import triton
 
 from perf import harness
 from perf.harness import DEVICE
-from tfuture.distributed.spawn import RankPool
+from tfuture.testing.spawn import RankPool
 
 T_DEV_MS, T_CPU_MS, BATCH = 8.0, 2.0, 16
 WORLDS = harness.sweep([1, 2, 4], [1, 2])

@@ -29,7 +29,7 @@ import triton
 from perf import baselines, harness
 from perf.harness import DEVICE, HAS_CUDA
 from tfuture import FutureMap
-from tfuture.fields import FutureFields
+from tfuture.core.future_fields import FutureFields
 from tfuture.kernels.fields import as_words, gather_fields, store_fields
 
 N_SLOTS, ROWS = 16384, 256

@@ -32,7 +32,7 @@ from perf import harness
 from perf.decode import DecodeScheduler
 from perf.harness import DEVICE, HAS_CUDA
 from tfuture import FutureMap
-from tfuture.batch import ForwardBatch
+from tfuture.core.batch import ForwardBatch
 from tfuture.runtime import OverlapRuntime
 
 MAX_RUNNING = [1, 16, 64, 256]

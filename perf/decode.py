@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from tfuture.batch import Batch, StepResult
+from tfuture.core.batch import Batch, StepResult
 
 
 def spin(seconds: float) -> None:

@@ -104,7 +104,7 @@ def failure(rank: int, world: int, port: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    from tfuture.distributed.spawn import RankPool, RankProcessError
+    from tfuture.testing.spawn import RankPool, RankProcessError
 
     untested = ["tensor/pipeline parallel across nodes (one machine here)"]
     if not torch.cuda.is_available():

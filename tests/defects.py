@@ -15,10 +15,10 @@ from unittest import mock
 import numpy as np
 import torch
 
-import tfuture.futures
+import tfuture.core.future_map
+from tfuture.core.slots import FutureIndices
 from tfuture.runtime import OverlapRuntime
-from tfuture.slots import FutureIndices
-from tfuture.staging import Staging, StagingRing
+from tfuture.streams.staging import Staging, StagingRing
 
 
 def _drop_ignoring_refcount(self: FutureIndices, want_freed: bool = False) -> np.ndarray | None:
@@ -121,16 +121,26 @@ def plant(*names: str) -> Iterator[None]:
             if name == "ignore_refcount":
                 patch(mock.patch.object(FutureIndices, "drop_references", _drop_ignoring_refcount))
             elif name == "store_as_interval":
-                real = tfuture.futures.launch_store
-                patch(mock.patch.object(tfuture.futures, "launch_store", _store_as_interval(real)))
+                real = tfuture.core.future_map.launch_store
+                patch(mock.patch.object(tfuture.core.future_map, "launch_store", _store_as_interval(real)))
             elif name == "skip_resolve":
-                real = tfuture.futures.prepare_inputs
-                patch(mock.patch.object(tfuture.futures, "prepare_inputs", _prepare_without_resolve(real)))
-                real_launch = tfuture.futures.launch_prepare
+                real = tfuture.core.future_map.prepare_inputs
                 patch(
-                    mock.patch.object(tfuture.futures, "launch_prepare", _launch_without_resolve(real_launch))
+                    mock.patch.object(
+                        tfuture.core.future_map, "prepare_inputs", _prepare_without_resolve(real)
+                    )
                 )
-                patch(mock.patch.object(tfuture.futures, "launch_resolve_", lambda ids, token_map, err: ids))
+                real_launch = tfuture.core.future_map.launch_prepare
+                patch(
+                    mock.patch.object(
+                        tfuture.core.future_map, "launch_prepare", _launch_without_resolve(real_launch)
+                    )
+                )
+                patch(
+                    mock.patch.object(
+                        tfuture.core.future_map, "launch_resolve_", lambda ids, token_map, err: ids
+                    )
+                )
             elif name in ("no_input_keepalive", "staging_no_wait"):
                 ring = "inputs" if name == "no_input_keepalive" else "outputs"
                 real_acquire = StagingRing.acquire

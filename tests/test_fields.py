@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tfuture import FutureError, FutureIndices, FutureMap
-from tfuture.fields import FieldSpec, FutureFields
+from tfuture.core.future_fields import FieldSpec, FutureFields
 from tfuture.kernels.fields import as_words
 
 POISON = 0x5A

@@ -69,14 +69,14 @@ def test_find_cycle_finds_a_cycle():
 
 def test_tfuture_has_no_import_cycle():
     graph = import_graph()
-    assert "tfuture.futures" in graph and "tfuture.slots" in graph["tfuture.futures"]
+    assert "tfuture.core.future_map" in graph and "tfuture.core.slots" in graph["tfuture.core.future_map"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
 def test_core_layers_import_only_lower_layers():
     graph = import_graph()
-    assert graph["tfuture.errors"] == set() and graph["tfuture.args"] == set()
-    assert graph["tfuture.slots"] <= {"tfuture.errors", "tfuture.args"}
-    assert "tfuture.futures" not in graph["tfuture.debug"]
-    assert not any(m.startswith("tfuture.kernels") for m in graph["tfuture.slots"])
+    assert graph["tfuture.core.errors"] == set() and graph["tfuture.core.checks"] == set()
+    assert graph["tfuture.core.slots"] <= {"tfuture.core.errors", "tfuture.core.checks"}
+    assert "tfuture.core.future_map" not in graph["tfuture.core.debug"]
+    assert not any(m.startswith("tfuture.kernels") for m in graph["tfuture.core.slots"])

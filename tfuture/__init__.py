@@ -7,12 +7,12 @@ slot bookkeeping, ``FutureIndices``); ``kernels``; ``debug`` (device slot states
 ``examples``.
 """
 
-from tfuture.errors import FutureError, FutureMapFull
-from tfuture.fields import FutureFields
-from tfuture.futures import FutureMap
+from tfuture.core.errors import FutureError, FutureMapFull
+from tfuture.core.future_fields import FutureFields
+from tfuture.core.future_map import FutureMap
+from tfuture.core.slots import FutureIndices
 from tfuture.kernels.resolve import PreparedInputs, prepare_inputs, resolve_futures_
 from tfuture.kernels.store import store_futures
-from tfuture.slots import FutureIndices
 
 __all__ = [
     "FutureError",

@@ -19,21 +19,24 @@ from typing import Any, TypeVar
 
 import torch
 
-from tfuture.args import as_count
-from tfuture.batch import Model, Scheduler
-from tfuture.errors import raise_if_flagged
-from tfuture.faults import FaultPlan
-from tfuture.futures import FutureIndices, FutureMap
+from tfuture.core.batch import Model, Scheduler
+from tfuture.core.checks import as_count
+from tfuture.core.errors import raise_if_flagged
+from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.sampling import Sampler
-from tfuture.staging import StagingRing
-from tfuture.stats import RunStats
-from tfuture.steps import InFlight, Op, StepKind
-from tfuture.streams import BACKENDS, Delay, ForwardStream, Span, drain_and_close, make_stream
-from tfuture.token_step import Buckets, TokenStep
+from tfuture.steps.base import InFlight, Op, StepKind
+from tfuture.steps.token import Buckets, TokenStep
+from tfuture.streams.backends import BACKENDS, Delay, ForwardStream, Span, drain_and_close, make_stream
+from tfuture.streams.base import RunWrapper
+from tfuture.streams.staging import StagingRing
+from tfuture.streams.stats import RunStats
 
 __all__ = ["OverlapRuntime"]
 
 T = TypeVar("T")
+
+# The scheduler hooks the loop calls on the host (a RunWrapper may target them).
+HOST_HOOKS = ("schedule", "process", "build_mask")
 
 # Maps driven by a running runtime (a map has one driver at a time), guarded by the lock.
 _DRIVEN: set[int] = set()
@@ -44,17 +47,18 @@ class OverlapRuntime:
     """Drive a model through a scheduler's steps, overlapped or in sync.
 
     Args:
-        model: a :class:`tfuture.batch.Model` (run as :class:`tfuture.token_step.TokenStep`), or a
-            :class:`tfuture.steps.StepKind` such as :class:`tfuture.speculative.SpecStep`.
+        model: a :class:`tfuture.core.batch.Model` (run as :class:`tfuture.steps.token.TokenStep`), or a
+            :class:`tfuture.steps.base.StepKind` such as :class:`tfuture.steps.speculative.SpecStep`.
         fmap: the future map; its device picks the backend (CUDA streams or a CPU worker).
         overlap: False runs the same steps one at a time (sync mode) for A/B comparison.
-        stream: ``"auto"``, ``"worker"`` or ``"inline"`` (see :func:`tfuture.streams.make_stream`).
+        stream: ``"auto"``, ``"worker"`` or ``"inline"`` (see :func:`tfuture.streams.backends.make_stream`).
         delay: ``delay(op_name) -> seconds`` injected before each forward-stream op.
-        faults: a :class:`tfuture.faults.FaultPlan` (delays, gc, exceptions); its delays are
-            used when ``delay`` is not given.
+        faults: a :class:`tfuture.streams.base.RunWrapper` that wraps each run's stream and
+            scheduler from outside the loop, such as :class:`tfuture.testing.faults.FaultPlan`
+            (delays, gc, exceptions); its ``delay`` is used when ``delay`` is not given.
         trace: record per-op spans for bubble accounting and the Chrome trace.
         n_staging: host staging buffers per direction (at least 3: two steps in flight).
-        buckets: pad every token step to these shapes (:class:`tfuture.token_step.Buckets`),
+        buckets: pad every token step to these shapes (:class:`tfuture.steps.token.Buckets`),
             so a model can capture one CUDA graph per bucket; for a plain model only.
         sampler: a :class:`tfuture.sampling.Sampler` that samples every token step (per-request
             parameters from ``Batch.sampling``, packed bitmasks, only grammar rows wait) instead
@@ -69,7 +73,7 @@ class OverlapRuntime:
         overlap: bool = True,
         stream: str = "auto",
         delay: Delay | None = None,
-        faults: FaultPlan | None = None,
+        faults: RunWrapper | None = None,
         trace: bool = True,
         n_staging: int = 4,
         buckets: Buckets | None = None,
@@ -82,14 +86,19 @@ class OverlapRuntime:
             raise ValueError(f"n_staging must be >= 3 (two steps in flight plus one), got {n_staging}")
         if stream not in BACKENDS:
             raise ValueError(f"stream must be one of {BACKENDS}, got {stream!r}")
-        if faults is not None and not isinstance(faults, FaultPlan):
-            raise TypeError(f"faults must be a FaultPlan or None, got {type(faults).__name__}")
+        if faults is not None and not isinstance(faults, RunWrapper):
+            raise TypeError(
+                "faults must be a RunWrapper (bind, wrap_stream, wrap_scheduler, delay) such as "
+                f"tfuture.testing.faults.FaultPlan, or None, got {type(faults).__name__}"
+            )
         if isinstance(model, StepKind) and (buckets is not None or sampler is not None):
             raise ValueError(
                 "buckets and sampler are for token steps: pass them to a plain model, not to a step kind"
             )
         self.kind: StepKind = model if isinstance(model, StepKind) else TokenStep(model, buckets, sampler)
         self.kind.bind(fmap)
+        if faults is not None:
+            faults.bind(self.kind.stream_ops, HOST_HOOKS)
         self.fmap, self.overlap, self.faults, self.trace, self.backend = fmap, overlap, faults, trace, stream
         self.delay = delay if delay is not None or faults is None else faults.delay
         pin = fmap.device.type == "cuda"
@@ -108,8 +117,8 @@ class OverlapRuntime:
     def run(self, scheduler: Scheduler | Any, max_steps: int | None = None) -> RunStats:
         """Run until ``scheduler.schedule()`` returns ``None`` with nothing in flight.
 
-        ``scheduler``: a :class:`tfuture.batch.Scheduler` for token steps, or the scheduler
-        protocol of the step kind (:class:`tfuture.speculative.SpecScheduler`).
+        ``scheduler``: a :class:`tfuture.core.batch.Scheduler` for token steps, or the scheduler
+        protocol of the step kind (:class:`tfuture.steps.speculative.SpecScheduler`).
 
         An exception anywhere (forward, sample, a scheduler hook) stops the loop: the stream is
         drained and stopped, every slot the runtime holds is released, and the exception

@@ -1,4 +1,4 @@
-"""The FutureMap (``tfuture.futures``): store, resolve and prepare through the map, the error
+"""The FutureMap (``tfuture.core.future_map``): store, resolve and prepare through the map, the error
 flag, and bad input (a clear error, and the map exactly as it was)."""
 
 from typing import NamedTuple
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tfuture import FutureError, FutureIndices, FutureMap
-from tfuture.fields import FutureFields
+from tfuture.core.future_fields import FutureFields
 
 CAP = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

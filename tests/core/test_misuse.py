@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tfuture import FutureError, FutureFields, FutureIndices, FutureMap, PreparedInputs
-from tfuture.faults import FaultPlan
-from tfuture.fields import FieldSpec
+from tfuture.core.future_fields import FieldSpec
 from tfuture.kernels import cpu
 from tfuture.kernels._common import use_triton
 from tfuture.kernels.resolve import launch_prepare, prepare_inputs, resolve_futures_, resolve_futures_ref
 from tfuture.kernels.store import store_futures, store_futures_ref
+from tfuture.testing.faults import FaultPlan
 
 I32_MAX = 2**31 - 1
 IMPLS = ["triton", "cpu"]

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tfuture import FutureError, FutureIndices, FutureMap, FutureMapFull
-from tfuture.debug import ALLOCATED, FREE, READ, WRITTEN
+from tfuture.core.debug import ALLOCATED, FREE, READ, WRITTEN
 
 KEEP_OK = ["mask", "mask-np", "mask-torch", "index", "index-torch", "range"]
 INDEX = st.integers(0, 1 << 16)

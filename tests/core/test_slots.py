@@ -1,4 +1,4 @@
-"""Slot bookkeeping (``tfuture.slots``): allocation round the ring, the filter/cat algebra, and
+"""Slot bookkeeping (``tfuture.core.slots``): allocation round the ring, the filter/cat algebra, and
 the ownership rule (every slot ever allocated is returned exactly once)."""
 
 import copy

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tfuture import FutureMap
-from tfuture.batch import Batch, StepResult
+from tfuture.core.batch import Batch, StepResult
 from tfuture.distributed import ParallelContext, ParallelRuntime, init_parallel
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, ToyGrammar, random_workload

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tfuture import demo
 from tfuture.distributed import free_port
+from tfuture.testing import demo
 
 SMALL = ["--steps", "4", "--batch", "4", "--ratios", "0.5", "--t-dev", "1"]
 
@@ -30,15 +30,15 @@ def test_demo_needs_torchrun_for_several_ranks(capsys: pytest.CaptureFixture[str
     if "RANK" in os.environ:
         pytest.skip("running under a launcher")
     assert demo.main(["--tp", "2", *SMALL]) == 2
-    assert "torchrun --nproc-per-node 2 -m tfuture.demo --tp 2 --pp 1" in capsys.readouterr().err
+    assert "torchrun --nproc-per-node 2 -m tfuture.testing.demo --tp 2 --pp 1" in capsys.readouterr().err
 
 
 def test_torchrun_pipeline_demo(tmp_path: Path) -> None:
-    """``torchrun --nproc-per-node 2 -m tfuture.demo --pp 2`` (the agent's store, env:// rendezvous)."""
+    """``torchrun --nproc-per-node 2 -m tfuture.testing.demo --pp 2`` (env:// rendezvous)."""
     port = str(free_port())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", port]
-    cmd += ["-m", "tfuture.demo", "--pp", "2", *SMALL, "--trace", "", "--timeout", "30"]
+    cmd += ["-m", "tfuture.testing.demo", "--pp", "2", *SMALL, "--trace", "", "--timeout", "30"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

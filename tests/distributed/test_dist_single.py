@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tfuture import FutureMap
-from tfuture.batch import Batch, ForwardBatch, HostMeta
+from tfuture.core.batch import Batch, ForwardBatch, HostMeta
 from tfuture.distributed import (
     MicroBatch,
     MicroBatchScheduler,

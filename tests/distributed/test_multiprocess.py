@@ -16,7 +16,7 @@ from typing import Any
 import dist_scenarios as ds
 import pytest
 
-from tfuture.distributed.spawn import RankPool
+from tfuture.testing.spawn import RankPool
 
 JOIN_S = 120.0  # the parent's bound on one call (the ranks' own timeout is ds.TIMEOUT_S)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tfuture import FutureMap
-from tfuture.batch import StepResult
+from tfuture.core.batch import StepResult
 from tfuture.grammars import Grammar, Matcher, build_bitmask, check_grammar, full_bitmask, mask_requests
 from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import PARAM_WORDS, SamplingParams

@@ -18,12 +18,12 @@ pytest.importorskip("xgrammar")
 from support import worker_threads
 
 from tfuture import FutureMap
-from tfuture.faults import FaultPlan, InjectedFault
 from tfuture.grammars.xgrammar import XGrammarCompiler
 from tfuture.kernels import _common
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler, SamplingParams
 from tfuture.testing import ContinuousBatcher, RequestSpec, TinyTransformer, first_difference
+from tfuture.testing.faults import FaultPlan, InjectedFault
 from tfuture.testing.tokenizer import END_TOKEN, tiny_tokenizer
 
 COLORS = ["red", "green", "blue"]

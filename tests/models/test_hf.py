@@ -16,14 +16,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tfuture import FutureMap  # noqa: E402
-from tfuture.batch import Batch, ForwardBatch  # noqa: E402
+from tfuture.core.batch import Batch, ForwardBatch  # noqa: E402
 from tfuture.examples.hf import build_llama  # noqa: E402
 from tfuture.examples.hf import main as example_main  # noqa: E402
-from tfuture.faults import FaultPlan  # noqa: E402
 from tfuture.models import HFCausalLM  # noqa: E402
 from tfuture.runtime import OverlapRuntime  # noqa: E402
+from tfuture.steps.token import Buckets  # noqa: E402
 from tfuture.testing import ContinuousBatcher, RequestSpec, random_workload  # noqa: E402
-from tfuture.token_step import Buckets  # noqa: E402
+from tfuture.testing.faults import FaultPlan  # noqa: E402
 
 VOCAB = 160
 ROWS = 4  # KV pool rows = requests running at once

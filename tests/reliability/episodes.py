@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tfuture.batch import Batch, ForwardBatch, StepResult
-from tfuture.faults import HOST_POINTS, SPEC_POINTS, TOKEN_POINTS
-from tfuture.futures import FutureMap
+from tfuture.core.batch import Batch, ForwardBatch, StepResult
+from tfuture.core.future_map import FutureMap
 from tfuture.grammars import mask_requests
 from tfuture.sampling import Sampler, SamplingParams
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
+from tfuture.testing.faults import HOST_POINTS, SPEC_POINTS, TOKEN_POINTS
 from tfuture.testing.toy import ToyGrammar, ToyModel
 
 

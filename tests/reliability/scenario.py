@@ -12,7 +12,6 @@ from defects import plant
 from support import worker_threads
 
 from tfuture import FutureMap
-from tfuture.faults import FaultPlan
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import (
     ContinuousBatcher,
@@ -22,6 +21,7 @@ from tfuture.testing import (
     first_difference,
     random_workload,
 )
+from tfuture.testing.faults import FaultPlan
 
 VOCAB = 64
 CAPACITY = 32

@@ -43,12 +43,12 @@ from typing import Any
 
 from episodes import AbortingBatcher, Episode, compare, make_episode
 
-from tfuture.faults import FaultPlan, InjectedFault
-from tfuture.futures import FutureMap
+from tfuture.core.future_map import FutureMap
 from tfuture.kernels import _common
 from tfuture.runtime import OverlapRuntime
-from tfuture.speculative import SpecStep
+from tfuture.steps.speculative import SpecStep
 from tfuture.testing.equivalence import first_difference
+from tfuture.testing.faults import FaultPlan, InjectedFault
 from tfuture.testing.toy import ToyModel
 from tfuture.testing.toy_spec import SpecBatcher, ToySpecModel, reference_outputs
 

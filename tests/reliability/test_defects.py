@@ -44,9 +44,9 @@ from scenario import GRAMMAR, GRAMMAR_SPECS, SPECS, VOCAB, assert_clean, run, ve
 from support import worker_threads
 
 from tfuture import FutureError, FutureIndices, FutureMap
-from tfuture.faults import FaultPlan
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, ToyModel, first_difference
+from tfuture.testing.faults import FaultPlan
 
 # Races depend on timing: a defect gets a few tries with growing delays to show itself (a loaded
 # machine slows both sides); the defect-free run must pass under the same faults.

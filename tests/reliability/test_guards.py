@@ -26,7 +26,7 @@ from scenario import CAPACITY, GRAMMAR, GRAMMAR_SPECS, SPECS, VOCAB
 from support import worker_threads
 
 from tfuture import FutureError, FutureIndices, FutureMap
-from tfuture.batch import Batch, ForwardBatch
+from tfuture.core.batch import Batch, ForwardBatch
 from tfuture.kernels.resolve import resolve_futures_
 from tfuture.kernels.store import store_futures
 from tfuture.runtime import OverlapRuntime

@@ -1,4 +1,4 @@
-"""A step's batch (``tfuture.batch``): validated on construction, and its consumed handles are
+"""A step's batch (``tfuture.core.batch``): validated on construction, and its consumed handles are
 taken over by the runtime, released even when the batch is refused."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 from support import worker_threads
 
 from tfuture import FutureMap
-from tfuture.batch import Batch
+from tfuture.core.batch import Batch
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ToyModel
 

@@ -17,9 +17,9 @@ import pytest
 from support import worker_threads
 
 from tfuture import FutureMap
-from tfuture.faults import HOST_POINTS, TOKEN_POINTS, FaultPlan, InjectedFault
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, ToyGrammar, ToyModel, first_difference, random_workload
+from tfuture.testing.faults import HOST_POINTS, TOKEN_POINTS, FaultPlan, InjectedFault
 
 VOCAB = 64
 
@@ -152,19 +152,41 @@ def test_fault_past_the_last_step_never_fires():
     [
         (dict(raise_at={"forwrd": 1}), r"raise_at points must be among .*'forwrd'"),
         (dict(raise_at={"wait": 1, "prepare": 2}), r"\['wait'\]"),
+        (dict(raise_at={"verify": 1}), r"\['verify'\]"),  # a speculative op: not a token step's
+        (dict(max_delay_s=1e-3, delay_ops=("forwrd",)), r"delay_ops .*forwrd"),
+    ],
+    ids=["unknown-point", "one-unknown", "other-kind", "unknown-delay-op"],
+)
+def test_plan_naming_an_op_the_runtime_never_runs_is_refused(kw, match):
+    """Op names are checked against the step kind's own ops when a runtime binds the plan."""
+    plan = FaultPlan(**kw)
+    with pytest.raises(ValueError, match=match):
+        OverlapRuntime(ToyModel(vocab=VOCAB), FutureMap(8), faults=plan)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
         (dict(max_delay_s=-1e-3), r"max_delay_s must be a finite number >= 0"),
         (dict(host_delay_s=-1.0), r"host_delay_s must be a finite number >= 0"),
     ],
-    ids=["unknown-point", "one-unknown", "negative-stream-delay", "negative-host-delay"],
+    ids=["negative-stream-delay", "negative-host-delay"],
 )
 def test_bad_plan_raises_value_error(kw, match):
     with pytest.raises(ValueError, match=match):
         FaultPlan(**kw)
 
 
-def test_unknown_delay_op_is_refused():
-    with pytest.raises(ValueError, match="forwrd"):
-        FaultPlan(max_delay_s=1e-3, delay_ops=("forwrd",))
+def test_plan_targets_every_kind_of_op():
+    """A plan may name any op of its runtime's step kind: the parallel step's included."""
+    from tfuture.distributed import ParallelStep
+    from tfuture.runtime import HOST_HOOKS
+
+    FaultPlan(raise_at={"recv_tokens": 3, "send_hidden": 1}).bind(ParallelStep.stream_ops, HOST_HOOKS)
+    with pytest.raises(ValueError, match="recv_tokens"):
+        FaultPlan(raise_at={"recv_tokens": 3}).bind(
+            OverlapRuntime(ToyModel(), FutureMap(8)).kind.stream_ops, HOST_HOOKS
+        )
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1e-3])

@@ -15,11 +15,11 @@ import torch
 from support import worker_threads
 
 from tfuture import FutureMap
-from tfuture.batch import Batch
-from tfuture.faults import FaultPlan
+from tfuture.core.batch import Batch
 from tfuture.runtime import OverlapRuntime
-from tfuture.streams import CpuStream
+from tfuture.streams.backends import CpuStream
 from tfuture.testing import ContinuousBatcher, ToyModel, greedy_sample, random_workload, run_workload
+from tfuture.testing.faults import FaultPlan
 
 VOCAB = 64
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tfuture import FutureMap
-from tfuture.batch import ForwardBatch
+from tfuture.core.batch import ForwardBatch
 from tfuture.runtime import OverlapRuntime
+from tfuture.steps.token import Buckets
 from tfuture.testing import ContinuousBatcher, ToyModel, random_workload
-from tfuture.token_step import Buckets
 
 
 class Recorder(ToyModel):
@@ -111,7 +111,7 @@ def test_buckets_are_checked():
     with pytest.raises(ValueError, match="ascending"):
         Buckets(rows=(32, 8), reqs=(4,))
     with pytest.raises(ValueError, match="plain model"):
-        from tfuture.speculative import SpecStep
+        from tfuture.steps.speculative import SpecStep
         from tfuture.testing.toy_spec import ToySpecModel
 
         OverlapRuntime(SpecStep(ToySpecModel()), FutureMap(8, device="cpu"), buckets=Buckets((8,), (2,)))

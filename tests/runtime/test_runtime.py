@@ -12,8 +12,7 @@ import torch
 from support import worker_threads
 
 from tfuture import FutureMap, FutureMapFull
-from tfuture.batch import Batch
-from tfuture.faults import FaultPlan
+from tfuture.core.batch import Batch
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import (
     ContinuousBatcher,
@@ -25,6 +24,7 @@ from tfuture.testing import (
     random_workload,
     run_workload,
 )
+from tfuture.testing.faults import FaultPlan
 
 VOCAB = 64
 
@@ -267,7 +267,7 @@ def test_a_map_is_driven_by_one_runtime_at_a_time():
         pytest.param(dict(fmap="not a map"), TypeError, "fmap must be a FutureMap", id="not-a-map"),
         pytest.param(dict(n_staging=1), ValueError, "n_staging must be >= 3", id="n-staging"),
         pytest.param(dict(stream="gpu"), ValueError, "stream must be one of", id="stream"),
-        pytest.param(dict(faults={"seed": 1}), TypeError, "faults must be a FaultPlan", id="faults"),
+        pytest.param(dict(faults={"seed": 1}), TypeError, "faults must be a RunWrapper", id="faults"),
     ],
 )
 def test_runtime_rejects_bad_arguments(kw, exc, match):

@@ -12,7 +12,7 @@ import torch
 from support import worker_threads
 
 from tfuture import FutureMap
-from tfuture.batch import Batch, ForwardBatch
+from tfuture.core.batch import Batch, ForwardBatch
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler, SamplingParams, pack_params
 from tfuture.testing import (
@@ -249,7 +249,7 @@ def test_batch_checks_delayed_and_sampling() -> None:
 
 
 def test_a_sampler_is_for_token_steps_only() -> None:
-    from tfuture.speculative import SpecStep
+    from tfuture.steps.speculative import SpecStep
     from tfuture.testing.toy_spec import ToySpecModel
 
     with pytest.raises(ValueError, match="sampler are for token steps"):

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tfuture import FutureMap
-from tfuture.faults import SPEC_POINTS, FaultPlan, InjectedFault
 from tfuture.runtime import OverlapRuntime
-from tfuture.speculative import SpecStep
+from tfuture.steps.speculative import SpecStep
 from tfuture.testing.batcher import random_workload
+from tfuture.testing.faults import SPEC_POINTS, FaultPlan, InjectedFault
 from tfuture.testing.toy_spec import SpecBatcher, ToySpecModel, reference_outputs
 
 

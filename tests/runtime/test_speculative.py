@@ -1,4 +1,4 @@
-"""Speculative decoding on futures (``tfuture.speculative``): greedy acceptance, and overlapped
+"""Speculative decoding on futures (``tfuture.steps.speculative``): greedy acceptance, and overlapped
 speculative steps equivalent to plain greedy decoding.
 
 Equivalence: with greedy acceptance, overlapped speculative decoding (step N+1 launched before
@@ -18,7 +18,7 @@ import torch
 from tfuture import FutureMap
 from tfuture.kernels.spec import SpecInputs
 from tfuture.runtime import OverlapRuntime
-from tfuture.speculative import SpecBatch, SpecResult, SpecStep, greedy_accept
+from tfuture.steps.speculative import SpecBatch, SpecResult, SpecStep, greedy_accept
 from tfuture.testing.batcher import random_workload
 from tfuture.testing.equivalence import run_workload
 from tfuture.testing.toy import ToyModel

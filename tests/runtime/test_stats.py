@@ -1,4 +1,4 @@
-"""What a run measured (``tfuture.stats``): device busy and idle time from the stream's spans,
+"""What a run measured (``tfuture.streams.stats``): device busy and idle time from the stream's spans,
 tokens/s, and the Chrome trace."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from tfuture.stats import RunStats
-from tfuture.streams import Span
+from tfuture.streams.backends import Span
+from tfuture.streams.stats import RunStats
 from tfuture.testing import RequestSpec, ToyModel, run_workload
 
 

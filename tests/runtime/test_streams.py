@@ -1,4 +1,4 @@
-"""The forward-stream backends (``tfuture.streams``) on CPU: the worker thread and the inline
+"""The forward-stream backends (``tfuture.streams.backends``) on CPU: the worker thread and the inline
 stream keep FIFO order, markers wait for the work before them, a failing op poisons the stream,
 and the worker runs in its creator's grad mode with the GIL switch interval restored after."""
 
@@ -14,7 +14,7 @@ from support import worker_threads
 
 from tfuture import FutureMap
 from tfuture.runtime import OverlapRuntime
-from tfuture.streams import CpuStream, InlineStream, drain_and_close, make_stream
+from tfuture.streams.backends import CpuStream, InlineStream, drain_and_close, make_stream
 from tfuture.testing import ContinuousBatcher, ToyGrammar, ToyModel, random_workload
 
 CPU = torch.device("cpu")

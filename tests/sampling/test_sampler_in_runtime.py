@@ -9,7 +9,7 @@ import torch
 from test_sampling_penalties import VOCAB, Req, Step, model_logits, reference, requests, schedule
 
 from tfuture import FutureMap
-from tfuture.batch import Batch, ForwardBatch, StepResult
+from tfuture.core.batch import Batch, ForwardBatch, StepResult
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler, SamplerPlan, SamplerState, pack_params
 

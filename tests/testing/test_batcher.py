@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tfuture import FutureMap
-from tfuture.batch import Batch
+from tfuture.core.batch import Batch
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, ToyModel, random_workload
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tfuture.batch import Batch
+from tfuture.core.batch import Batch
 from tfuture.distributed.context import ParallelContext
 
 __all__ = ["RankDivergence", "agree", "batch_digest", "check_stored_tokens", "tokens_digest"]

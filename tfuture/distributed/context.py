@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tfuture.args import as_count
+from tfuture.core.checks import as_count
 
 __all__ = ["ParallelContext", "free_port", "init_parallel"]
 

@@ -21,15 +21,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from tfuture.batch import Batch, StepResult
-from tfuture.slots import FutureIndices
+from tfuture.core.batch import Batch, StepResult
+from tfuture.core.slots import FutureIndices
 
 __all__ = ["MicroBatch", "MicroBatchScheduler", "MicroResult"]
 
 
 @dataclass(slots=True, eq=False)
 class MicroBatch:
-    """What the runtime launches: a group's :class:`tfuture.batch.Batch`, or a bubble (``micro``
+    """What the runtime launches: a group's :class:`tfuture.core.batch.Batch`, or a bubble (``micro``
     None). ``out`` (set by the runtime) holds the slots of the tokens this step delivers."""
 
     micro: Batch | None
@@ -66,7 +66,7 @@ class _Pipe(Protocol):
 
 
 class MicroBatchScheduler:
-    """Round-robin over ``groups`` (each a :class:`tfuture.batch.Scheduler`) for ``pipe``'s lag.
+    """Round-robin over ``groups`` (each a :class:`tfuture.core.batch.Scheduler`) for ``pipe``'s lag.
 
     ``schedule`` returns a :class:`MicroBatch` of the first group in turn that may schedule
     (its previous batch was delivered) and has work, a bubble while tokens are still in the

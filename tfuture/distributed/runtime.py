@@ -6,17 +6,17 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from tfuture.args import as_count
+from tfuture.core.checks import as_count
+from tfuture.core.future_map import FutureMap
 from tfuture.distributed.checks import agree
 from tfuture.distributed.context import ParallelContext
 from tfuture.distributed.failure import FailureWatcher, fail_run, finish_run
 from tfuture.distributed.micro import MicroBatchScheduler
 from tfuture.distributed.step import ParallelStep, StageModel
-from tfuture.faults import FaultPlan
-from tfuture.futures import FutureMap
 from tfuture.runtime import OverlapRuntime
-from tfuture.stats import RunStats
-from tfuture.streams import Delay
+from tfuture.streams.backends import Delay
+from tfuture.streams.base import RunWrapper
+from tfuture.streams.stats import RunStats
 
 __all__ = ["ParallelRuntime"]
 
@@ -41,7 +41,7 @@ class ParallelRuntime:
         overlap: bool = True,
         stream: str = "auto",
         delay: Delay | None = None,
-        faults: FaultPlan | None = None,
+        faults: RunWrapper | None = None,
         trace: bool = True,
         check: bool | None = None,
     ) -> None:
@@ -62,7 +62,7 @@ class ParallelRuntime:
         return self.kind.model
 
     def run(self, schedulers: Any | Sequence[Any], max_steps: int | None = None) -> RunStats:
-        """Run ``schedulers`` (one :class:`tfuture.batch.Scheduler`, or one per micro-batch group:
+        """Run ``schedulers`` (one :class:`tfuture.core.batch.Scheduler`, or one per micro-batch group:
         ``ctx.pp`` groups keep the pipeline full) until all are done, or for ``max_steps``
         micro-batches (then up to ``pp - 1`` bubble steps deliver the last tokens).
 

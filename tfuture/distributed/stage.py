@@ -2,7 +2,7 @@
 
 :class:`StageModel` is the model interface of a pipeline stage; :class:`MicroState` one launched
 micro-batch (or bubble) from plan to delivery; :func:`plan_micro` stages a micro-batch's host
-arrays as :class:`tfuture.token_step.TokenStep` does; :func:`check_mask` takes a grammar mask
+arrays as :class:`tfuture.steps.token.TokenStep` does; :func:`check_mask` takes a grammar mask
 (bool or packed int32 bitmask, for the waiting rows) and widens it to every sampling row.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from tfuture.batch import Batch, ForwardBatch, HostMeta
+from tfuture.core.batch import Batch, ForwardBatch, HostMeta
 
 __all__ = ["MicroState", "StageModel", "check_mask", "plan_micro"]
 
@@ -30,7 +30,7 @@ class StageModel(Protocol):
     own ``[n_tokens, hidden_size]`` output; the last stage returns logits for
     ``batch.sample_rows`` (``[n_sample, vocab]``). ``sample`` runs on the last stage's tensor
     rank 0 only and returns ``[n_sample]`` int token ids (``mask``: bool ``[n_sample, vocab]``
-    or None). Optional, as for a :class:`tfuture.batch.Model`: ``release(req_ids)`` and
+    or None). Optional, as for a :class:`tfuture.core.batch.Model`: ``release(req_ids)`` and
     ``close()``.
     """
 

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tfuture.batch import ForwardBatch, StepResult
+from tfuture.core.batch import ForwardBatch, StepResult
+from tfuture.core.future_map import FutureMap
 from tfuture.distributed.checks import check_batch, check_stored_tokens
 from tfuture.distributed.context import ParallelContext
 from tfuture.distributed.micro import MicroBatch, MicroResult
@@ -39,8 +40,7 @@ from tfuture.distributed.stage import (
     is_delayed,
     plan_micro,
 )
-from tfuture.futures import FutureMap
-from tfuture.steps import InFlight, Op, StepKind, StepPlan
+from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
 
 __all__ = ["ParallelStep", "StageModel"]
 
@@ -50,6 +50,20 @@ class ParallelStep(StepKind):
 
     ``check``: the debug checks of :mod:`tfuture.distributed.checks` each step (host syncs).
     """
+
+    stream_ops = (
+        *StepKind.stream_ops,
+        "release",
+        "recv_hidden",
+        "forward",
+        "send_hidden",
+        "sample",
+        "send_tokens",
+        "take_tokens",
+        "recv_tokens",
+        "store",
+        "check_tokens",
+    )
 
     def __init__(self, model: StageModel, ctx: ParallelContext, *, check: bool = False) -> None:
         if not isinstance(ctx, ParallelContext):

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from tfuture.futures import FutureMap
+from tfuture.core.future_map import FutureMap
 from tfuture.models import HFCausalLM
 from tfuture.runtime import OverlapRuntime
-from tfuture.stats import RunStats
+from tfuture.streams.stats import RunStats
 from tfuture.testing import ContinuousBatcher, RequestSpec, random_workload
 
 

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from tfuture.batch import Batch
+from tfuture.core.batch import Batch
 from tfuture.kernels.bitmask import bitmask_words, unpack_bitmask
 
 MASK_KINDS = ("bitmask", "bool")

@@ -25,7 +25,7 @@ from tfuture.kernels._common import (
     search_steps,
     use_triton,
 )
-from tfuture.kernels._prepare_args import PreparedInputs, check_prepare_args, check_segments
+from tfuture.kernels.prepared import PreparedInputs, check_prepare_args, check_segments
 
 __all__ = [
     "PreparedInputs",

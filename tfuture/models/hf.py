@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tfuture.batch import ForwardBatch
+from tfuture.core.batch import ForwardBatch
 from tfuture.models.kv_pool import KVPool, StepLayout
 
 __all__ = ["HFCausalLM"]
@@ -93,13 +93,13 @@ def _register(inner: str) -> str:
 
 
 class HFCausalLM:
-    """A :class:`tfuture.batch.Model` over a Hugging Face causal LM with a pooled KV cache.
+    """A :class:`tfuture.core.batch.Model` over a Hugging Face causal LM with a pooled KV cache.
 
     Args:
         model: a ``transformers`` causal LM (``PreTrainedModel`` with ``lm_head``), put in eval
             mode; its attention implementation must be ``sdpa`` or ``eager``.
         max_requests: cache rows: requests that may be live at once (running, or ended but not
-            yet reported in :attr:`tfuture.batch.Batch.ended`).
+            yet reported in :attr:`tfuture.core.batch.Batch.ended`).
         max_len: positions per row (prompt plus generated tokens).
 
     ``pool.k``/``pool.v`` ``[n_layers, max_requests, max_len, n_kv_heads, head_dim]`` in the

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tfuture.batch import ForwardBatch
+from tfuture.core.batch import ForwardBatch
 
 # (q [n_reqs, heads, width, head_dim], k, v [n_reqs, kv_heads, kv_len, head_dim], mask)
 #   -> [n_reqs, width, heads, head_dim]

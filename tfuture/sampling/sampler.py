@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from tfuture.args import as_count
+from tfuture.core.checks import as_count
 from tfuture.kernels.bitmask import launch_apply_token_bitmask_
 from tfuture.sampling.history import TokenHistory
 from tfuture.sampling.plan import (

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tfuture.batch import Batch, StepResult
-from tfuture.futures import FutureIndices, FutureMap
+from tfuture.core.batch import Batch, StepResult
+from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests
 from tfuture.testing.workload import RequestSpec, default_params_row, grammar_vocab, random_workload, spin
 

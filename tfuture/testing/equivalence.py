@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from tfuture.batch import Model
-from tfuture.futures import FutureMap
+from tfuture.core.batch import Model
+from tfuture.core.future_map import FutureMap
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
-from tfuture.stats import RunStats
-from tfuture.streams import Delay
+from tfuture.streams.backends import Delay
+from tfuture.streams.stats import RunStats
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec
 from tfuture.testing.toy import ToyGrammar
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tfuture.batch import ForwardBatch
+from tfuture.core.batch import ForwardBatch
 from tfuture.kernels.bitmask import pack_bool_mask
 
 _P = 2_147_483_647  # 2**31 - 1: every product below stays under 2**62, no int64 wrap

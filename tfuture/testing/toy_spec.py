@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tfuture.batch import ForwardBatch
-from tfuture.fields import Shape
-from tfuture.futures import FutureIndices, FutureMap
+from tfuture.core.batch import ForwardBatch
+from tfuture.core.future_fields import Shape
+from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.kernels.spec import SpecInputs
 from tfuture.runtime import OverlapRuntime
-from tfuture.speculative import SpecBatch, SpecResult, SpecStep
-from tfuture.stats import RunStats
-from tfuture.streams import Delay
+from tfuture.steps.speculative import SpecBatch, SpecResult, SpecStep
+from tfuture.streams.backends import Delay
+from tfuture.streams.stats import RunStats
 from tfuture.testing.batcher import RequestSpec
 from tfuture.testing.equivalence import first_difference
 from tfuture.testing.toy import ToyModel

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tfuture.batch import ForwardBatch
+from tfuture.core.batch import ForwardBatch
 
 __all__ = ["ParallelTransformer", "split_round_robin"]
 

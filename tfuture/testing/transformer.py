@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from tfuture.batch import ForwardBatch
+from tfuture.core.batch import ForwardBatch
 from tfuture.testing.toy import greedy_sample
 
 

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from tfuture.streams import Span
+from tfuture.streams.backends import Span
 
 
 @dataclass(slots=True)

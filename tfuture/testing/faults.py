@@ -30,12 +30,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfuture.streams import ForwardStream, Marker, Span
+from tfuture.streams.backends import ForwardStream, Marker, Span
 
-# Stream ops of a token step and of a speculative step (tfuture.steps, tfuture.speculative).
+# The main stream ops of a token step and of a speculative step; every kind lists all of its
+# own in ``StepKind.stream_ops``, and a plan is checked against them when a runtime binds it.
 TOKEN_POINTS = ("prepare", "forward", "sample", "store", "copy")
 SPEC_POINTS = ("prepare", "verify", "draft", "store", "copy")
-STREAM_POINTS = (*TOKEN_POINTS, "verify", "draft")
 HOST_POINTS = ("schedule", "process", "build_mask")
 
 
@@ -54,24 +54,22 @@ class FaultPlan:
 
     seed: int = 0
     max_delay_s: float = 0.0
-    delay_ops: tuple[str, ...] = STREAM_POINTS
+    delay_ops: tuple[str, ...] | None = None  # None: every stream op of the step kind
     host_delay_s: float = 0.0
     gc_every_step: bool = False
     raise_at: dict[str, int] = field(default_factory=dict)
     injected: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        unknown = set(self.raise_at) - set(STREAM_POINTS) - set(HOST_POINTS)
-        if unknown:
-            raise ValueError(
-                f"raise_at points must be among {STREAM_POINTS + HOST_POINTS}, got {sorted(unknown)}"
-            )
+        if not isinstance(self.raise_at, dict) or not all(isinstance(k, str) for k in self.raise_at):
+            raise TypeError(f"raise_at must be a dict of op name -> step, got {self.raise_at!r}")
+        if self.delay_ops is not None:
+            if isinstance(self.delay_ops, str) or not all(isinstance(k, str) for k in self.delay_ops):
+                raise TypeError(f"delay_ops must be a tuple of op names or None, got {self.delay_ops!r}")
+            self.delay_ops = tuple(self.delay_ops)
         for name, value in (("max_delay_s", self.max_delay_s), ("host_delay_s", self.host_delay_s)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        ops = set(self.delay_ops) - set(STREAM_POINTS) - {"debug"}
-        if ops:
-            raise ValueError(f"delay_ops must be among {(*STREAM_POINTS, 'debug')}, got {sorted(ops)}")
         steps: dict[str, int] = {}
         for point, step in self.raise_at.items():
             if isinstance(step, bool) or not isinstance(step, numbers.Integral):
@@ -85,9 +83,24 @@ class FaultPlan:
         self._stream_rng = random.Random(self.seed)
         self._host_rng = random.Random(self.seed + 1)
 
+    def bind(self, stream_ops: Sequence[str], host_hooks: Sequence[str]) -> None:
+        """Called by a runtime with its step kind's stream op names and its host hooks: raise
+        ``ValueError`` if the plan names an op or hook that the runtime never runs."""
+        unknown = set(self.raise_at) - set(stream_ops) - set(host_hooks)
+        if unknown:
+            raise ValueError(
+                f"raise_at points must be among this runtime's {(*stream_ops, *host_hooks)}, got "
+                f"{sorted(unknown)}"
+            )
+        ops = set(self.delay_ops or ()) - set(stream_ops)
+        if ops:
+            raise ValueError(
+                f"delay_ops must be among this runtime's stream ops {stream_ops}, got {sorted(ops)}"
+            )
+
     def delay(self, op: str) -> float:
         """Seconds to sleep before stream op ``op`` (the streams' ``delay`` hook)."""
-        if self.max_delay_s <= 0 or op not in self.delay_ops:
+        if self.max_delay_s <= 0 or (self.delay_ops is not None and op not in self.delay_ops):
             return 0.0
         self.injected["stream_delay"] += 1
         return self._stream_rng.random() * self.max_delay_s

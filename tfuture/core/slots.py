@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tfuture.args import as_count, host_index
-from tfuture.errors import FutureError, FutureMapFull
+from tfuture.core.checks import as_count, host_index
+from tfuture.core.errors import FutureError, FutureMapFull
 
 
 class SlotPool:

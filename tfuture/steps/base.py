@@ -14,8 +14,8 @@ sample, tracing, faults and the error path. A :class:`StepKind` says what is spe
 * :meth:`StepKind.copy_result` (stream, op ``copy``) and :meth:`StepKind.result` (host): what the
   host reads back and what the scheduler's ``process`` gets.
 
-:class:`tfuture.token_step.TokenStep` is the plain step (prepare, forward, sample, store,
-copy); :class:`tfuture.speculative.SpecStep` the speculative one.
+:class:`tfuture.steps.token.TokenStep` is the plain step (prepare, forward, sample, store,
+copy); :class:`tfuture.steps.speculative.SpecStep` the speculative one.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tfuture.futures import FutureMap
-from tfuture.slots import FutureIndices
-from tfuture.staging import Staging
-from tfuture.streams import Marker
+from tfuture.core.future_map import FutureMap
+from tfuture.core.slots import FutureIndices
+from tfuture.streams.backends import Marker
+from tfuture.streams.staging import Staging
 
 Op = tuple[str, Callable[[], None]]
 
@@ -66,9 +66,13 @@ class StepKind(ABC):
     ``keeps_out``: a step's ``out`` handle stays live until the step was processed *and* a
     later step was launched, so the scheduler can name its latest step's slots in sync mode too
     (a speculative step's drafts live only in its slots).
+    ``stream_ops``: every op name the kind's steps may submit, with the runtime's own.
     """
 
     keeps_out = False
+    #: Names of the stream ops the kind submits (the runtime adds ``prepare`` and ``copy``);
+    #: a :class:`tfuture.streams.base.RunWrapper` may target them.
+    stream_ops: tuple[str, ...] = ("prepare", "copy", "debug")
 
     def bind(self, fmap: FutureMap) -> None:  # noqa: B027 - most kinds need no per-map state
         """Called once by the runtime with its map, before any step."""

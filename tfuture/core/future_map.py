@@ -1,8 +1,8 @@
 """Future slots on the device: :class:`FutureMap` owns them, ``FutureIndices`` names them.
 
-The slot bookkeeping and the ownership rule live in :mod:`tfuture.slots` (host, numpy);
+The slot bookkeeping and the ownership rule live in :mod:`tfuture.core.slots` (host, numpy);
 this layer adds the device buffer ``token_map``, its error flag, the store/resolve/prepare
-launches, and (debug mode) the device-side slot state machine of :mod:`tfuture.debug`.
+launches, and (debug mode) the device-side slot state machine of :mod:`tfuture.core.debug`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tfuture.debug import SlotStates
-from tfuture.errors import FutureError, FutureMapFull, raise_if_flagged
+from tfuture.core.debug import SlotStates
+from tfuture.core.errors import FutureError, FutureMapFull, raise_if_flagged
+from tfuture.core.slots import FutureIndices, SlotPool
 from tfuture.kernels._common import (
     ERR_LEN,
     INT32_MAX,
@@ -32,7 +33,6 @@ from tfuture.kernels.resolve import (
     prepare_inputs,
 )
 from tfuture.kernels.store import launch_store
-from tfuture.slots import FutureIndices, SlotPool
 
 __all__ = ["FutureError", "FutureIndices", "FutureMap", "FutureMapFull"]
 
@@ -191,7 +191,7 @@ class FutureMap(SlotPool):
         out: PreparedInputs | None,
     ) -> PreparedInputs:
         """:meth:`prepare_inputs` without its argument checks, for a caller that built well-formed
-        tensors itself (the runtime: from a checked :class:`tfuture.batch.Batch`). Debug mode
+        tensors itself (the runtime: from a checked :class:`tfuture.core.batch.Batch`). Debug mode
         still checks every slot it reads."""
         states = self._states
         if states is not None:

@@ -1,14 +1,14 @@
-"""``python -m tfuture.demo``: an overlapped workload against sync, with a timeline.
+"""``python -m tfuture.testing.demo``: an overlapped workload against sync, with a timeline.
 
 Runs the toy model with ``--t-dev`` ms of device work per step and host work of
 ``--ratios`` x T_dev per step, in sync and overlap mode, prints step times and the forward
 stream's idle fraction, and writes the overlapped run's Chrome trace (open it in Perfetto).
 
 With ``--tp N`` and/or ``--pp N`` it runs tensor / pipeline parallel on ``N`` ranks instead
-(:mod:`tfuture.distributed.demo`), launched by torchrun (gloo on CPU, NCCL on GPUs)::
+(:mod:`tfuture.testing.demo_parallel`), launched by torchrun (gloo on CPU, NCCL on GPUs)::
 
-    torchrun --nproc-per-node 2 -m tfuture.demo --tp 2
-    torchrun --nproc-per-node 2 -m tfuture.demo --pp 2
+    torchrun --nproc-per-node 2 -m tfuture.testing.demo --tp 2
+    torchrun --nproc-per-node 2 -m tfuture.testing.demo --pp 2
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import numpy as np
 import torch
 
-from tfuture.stats import RunStats
+from tfuture.streams.stats import RunStats
 from tfuture.testing import RequestSpec, ToyModel, run_workload
 
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, s (--tp/--pp)")
     args = p.parse_args(argv)
     if args.tp is not None or args.pp is not None:
-        from tfuture.distributed.demo import run_distributed_demo
+        from tfuture.testing.demo_parallel import run_distributed_demo
 
         args.tp, args.pp = (1 if v is None else v for v in (args.tp, args.pp))
         if args.tp < 1 or args.pp < 1:

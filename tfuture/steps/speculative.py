@@ -19,12 +19,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from tfuture.batch import check_consumes
-from tfuture.fields import FutureFields, Shape
-from tfuture.futures import FutureMap
+from tfuture.core.batch import check_consumes
+from tfuture.core.future_fields import FutureFields, Shape
+from tfuture.core.future_map import FutureMap
+from tfuture.core.slots import FutureIndices
 from tfuture.kernels.spec import SpecInputs, prepare_spec_inputs
-from tfuture.slots import FutureIndices
-from tfuture.steps import InFlight, Op, StepKind, StepPlan
+from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
 
 # What the host reads back per step; the other fields stay on the device for the next step.
 HOST_FIELDS = ("tokens", "accept_len")
@@ -131,6 +131,7 @@ class SpecStep(StepKind):
     """
 
     keeps_out = True
+    stream_ops = (*StepKind.stream_ops, "verify", "draft", "store")
 
     def __init__(self, model: SpecModel) -> None:
         self.model = model

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tfuture.streams import ForwardStream, Marker
+from tfuture.streams.backends import ForwardStream, Marker
 
 
 @dataclass(slots=True, eq=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tfuture.errors import FutureError, raise_if_flagged
+from tfuture.core.errors import FutureError, raise_if_flagged
 from tfuture.kernels._common import INT32_MAX, narrows
 
 FREE, ALLOCATED, WRITTEN, READ = 0, 1, 2, 3

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tfuture.stream_base import Delay, ForwardStream, Marker, Span
+from tfuture.streams.base import Delay, ForwardStream, Marker, Span
 
 __all__ = [
     "BACKENDS",

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tfuture.futures import FutureMap
+from tfuture.core.future_map import FutureMap
+from tfuture.core.slots import FutureIndices
 from tfuture.kernels.fields import (
     as_words,
     gather_fields,
@@ -29,7 +30,6 @@ from tfuture.kernels.fields import (
     launch_store_fields,
     row_stride,
 )
-from tfuture.slots import FutureIndices
 
 Shape = tuple[int, ...]
 

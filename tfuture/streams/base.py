@@ -1,6 +1,6 @@
 """The forward stream's interface: :class:`ForwardStream`, its :class:`Marker` and :class:`Span`.
 
-The backends (CPU worker, inline, CUDA) are in :mod:`tfuture.streams`.
+The backends (CPU worker, inline, CUDA) are in :mod:`tfuture.streams.backends`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -34,6 +35,23 @@ class Marker:
 
 
 Delay = Callable[[str], float]
+
+
+@runtime_checkable
+class RunWrapper(Protocol):
+    """Something that wraps a run from outside the loop, such as fault injection
+    (:class:`tfuture.testing.faults.FaultPlan`): the runtime calls :meth:`bind` once with the
+    names of its step kind's stream ops and host hooks (raise ``ValueError`` for a name it
+    cannot target), then wraps each run's stream and scheduler. ``delay``, when not None, is
+    the streams' per-op delay hook."""
+
+    delay: Delay | None
+
+    def bind(self, stream_ops: Sequence[str], host_hooks: Sequence[str]) -> None: ...
+
+    def wrap_stream(self, inner: ForwardStream) -> ForwardStream: ...
+
+    def wrap_scheduler(self, inner: Any) -> Any: ...
 
 
 class ForwardStream(ABC):

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tfuture.batch import Batch, ForwardBatch, HostMeta, Model, StepResult
-from tfuture.futures import FutureMap
+from tfuture.core.batch import Batch, ForwardBatch, HostMeta, Model, StepResult
+from tfuture.core.future_map import FutureMap
 from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.kernels.resolve import PreparedInputs
-from tfuture.masks import check_logits, check_mask, check_rows, check_width, widen
 from tfuture.sampling import Sampler, SamplerPlan
-from tfuture.steps import InFlight, Op, StepKind, StepPlan
+from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
+from tfuture.steps.masks import check_logits, check_mask, check_rows, check_width, widen
 
 _NO_ROWS = np.empty(0, dtype=np.int64)
 
@@ -76,7 +76,7 @@ class TokenState:
 
 
 class TokenStep(StepKind):
-    """The step of a :class:`tfuture.batch.Model`, padded to ``buckets`` if given.
+    """The step of a :class:`tfuture.core.batch.Model`, padded to ``buckets`` if given.
 
     Sampling: with a :class:`tfuture.sampling.Sampler` (given, or the default one for a model
     without ``sample``), per-request parameters come from :attr:`Batch.sampling`, a delayed step
@@ -84,6 +84,8 @@ class TokenStep(StepKind):
     mask, and packed bitmasks are applied on the device. With the model's own ``sample``, a step
     with any waiting row waits whole, and the model gets a bool mask.
     """
+
+    stream_ops = (*StepKind.stream_ops, "release", "forward", "sample_now", "sample", "store")
 
     def __init__(self, model: Model, buckets: Buckets | None = None, sampler: Sampler | None = None) -> None:
         if buckets is not None and not isinstance(buckets, Buckets):

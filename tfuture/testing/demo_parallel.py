@@ -1,7 +1,7 @@
-"""The ``--tp``/``--pp`` modes of ``python -m tfuture.demo``, launched by ``torchrun``.
+"""The ``--tp``/``--pp`` modes of ``python -m tfuture.testing.demo``, launched by ``torchrun``.
 
-    torchrun --nproc-per-node 2 -m tfuture.demo --tp 2
-    torchrun --nproc-per-node 2 -m tfuture.demo --pp 2
+    torchrun --nproc-per-node 2 -m tfuture.testing.demo --tp 2
+    torchrun --nproc-per-node 2 -m tfuture.testing.demo --pp 2
 
 Every rank runs :class:`tfuture.testing.tp.ParallelTransformer` (its share of ``--t-dev`` ms of
 stand-in device work per step: ``t_dev / (tp * pp)`` per rank), and the same decode workload
@@ -19,10 +19,10 @@ import sys
 import numpy as np
 import torch
 
+from tfuture.core.future_map import FutureMap
 from tfuture.distributed.context import init_parallel
 from tfuture.distributed.runtime import ParallelRuntime
-from tfuture.futures import FutureMap
-from tfuture.stats import RunStats
+from tfuture.streams.stats import RunStats
 from tfuture.testing.batcher import ContinuousBatcher, RequestSpec
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
 
@@ -35,7 +35,7 @@ def run_distributed_demo(args: argparse.Namespace) -> int:
     if world > 1 and "RANK" not in os.environ:
         print(
             f"--tp {args.tp} --pp {args.pp} needs {world} processes: launch with\n"
-            f"  torchrun --nproc-per-node {world} -m tfuture.demo --tp {args.tp} --pp {args.pp}",
+            f"  torchrun --nproc-per-node {world} -m tfuture.testing.demo --tp {args.tp} --pp {args.pp}",
             file=sys.stderr,
         )
         return 2
