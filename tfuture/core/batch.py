@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from tfuture.core.slots import FutureIndices
-from tfuture.sampling import check_packed_params
+from tfuture.core.params import check_packed_params
 
 _INT64_MAX = np.iinfo(np.int64).max
 _NO_IDS = np.empty(0, dtype=np.int64)

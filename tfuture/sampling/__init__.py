@@ -8,7 +8,7 @@ stream. Draws are ``uniform_draws(seed, position)``: a counter-based hash, no ge
 """
 
 from tfuture.sampling.draws import uniform_draws
-from tfuture.sampling.params import (
+from tfuture.core.params import (
     GREEDY_BELOW,
     PARAM_WORDS,
     SEED_LIMIT,

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tfuture.sampling.draws import draws_unchecked
-from tfuture.sampling.params import (
+from tfuture.core.params import (
     FREQUENCY,
     GREEDY_BELOW,
     N_FLOATS,
