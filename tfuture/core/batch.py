@@ -8,8 +8,8 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tfuture.core.slots import FutureIndices
 from tfuture.core.params import check_packed_params
+from tfuture.core.slots import FutureIndices
 
 _INT64_MAX = np.iinfo(np.int64).max
 _NO_IDS = np.empty(0, dtype=np.int64)

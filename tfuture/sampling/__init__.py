@@ -7,7 +7,6 @@ host-to-device copy); ``prepare``, ``observe``, ``sample`` and ``record`` run on
 stream. Draws are ``uniform_draws(seed, position)``: a counter-based hash, no generator state.
 """
 
-from tfuture.sampling.draws import uniform_draws
 from tfuture.core.params import (
     GREEDY_BELOW,
     PARAM_WORDS,
@@ -17,6 +16,7 @@ from tfuture.core.params import (
     pack_params,
     unpack_params,
 )
+from tfuture.sampling.draws import uniform_draws
 from tfuture.sampling.plan import SamplerPlan
 from tfuture.sampling.sampler import Sampler, SamplerState
 

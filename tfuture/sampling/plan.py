@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tfuture.sampling.draws import draws_unchecked
 from tfuture.core.params import (
     FREQUENCY,
     GREEDY_BELOW,
@@ -36,6 +35,7 @@ from tfuture.core.params import (
     TEMPERATURE,
     TOP_K,
 )
+from tfuture.sampling.draws import draws_unchecked
 
 R_TEMP, R_TOP_P, R_MIN_P, R_FREQ, R_PRES, R_REP, R_DRAW, R_TOP_K, R_HIST = range(9)
 ROW_WORDS = 9
