@@ -4,11 +4,15 @@ The same scenarios without debug show what debug mode buys: they run silently (a
 wrong tokens), while out-of-range placeholders are still flagged through ``err`` and ``check()``.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 from defects import plant
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tfuture import FutureError, FutureIndices, FutureMap
+from tfuture.core.debug import FREE, NoChecks, SlotStates
 
 CAP = 8
 
@@ -203,3 +207,79 @@ def test_legit_path_raises_nothing(dmap, device):
     dmap.release(c)
     dmap.check()
     assert dmap.in_use == 0 and dmap.err.tolist() == [0, 0]
+
+
+def test_the_map_composes_the_checker_of_its_mode(plain, dmap):
+    assert type(plain.checks) is NoChecks and plain.slot_states is None
+    assert isinstance(dmap.checks, SlotStates) and dmap.slot_states is dmap.checks
+    assert not plain.checks.wants_freed and dmap.checks.wants_freed
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_no_op_checker_is_given_no_work_that_costs_a_device_op():
+    fmap = FutureMap(CAP, device="cpu")
+    ran: list[object] = []
+    fmap.device_exec = ran.append
+    wants: list[bool] = []
+    real_drop = FutureIndices.drop_references
+
+    def drop(self, want_freed=False):  # type: ignore[no-untyped-def]
+        wants.append(want_freed)
+        return real_drop(self, want_freed=want_freed)
+
+    hooks = ("on_alloc", "on_release", "before_store", "after_store", "before_read", "after_read")
+    with (
+        mock.patch.object(FutureIndices, "drop_references", drop),
+        mock.patch.multiple(NoChecks, **{h: mock.DEFAULT for h in hooks}, autospec=True) as spies,
+    ):
+        with _CountOps() as count:
+            fi = fmap.alloc(3)
+            kept = fi.filter([0, 2])
+            fmap.release(fi)
+            fmap.release(kept)
+        # Host bookkeeping only: no tensor op, no device effect, no freed slots computed.
+        assert count.ops == [] and ran == [] and wants == [False, False]
+        assert [c.args[1:] for c in spies["on_release"].call_args_list] == [(None, ran.append)] * 2
+        assert spies["on_alloc"].call_args.args[1] is fi
+        # The store and read hooks get the call's own objects: nothing built for them.
+        fi = fmap.alloc(2)
+        tokens = _tokens(2)
+        fmap.store(fi, tokens)
+        assert spies["before_store"].call_args.args[1:] == (fi, tokens)
+        assert spies["after_store"].call_args.args[1:] == (fi, tokens)
+        ids = fi.placeholders()
+        assert fmap.resolve(ids).tolist() == [100, 101]
+        assert spies["before_read"].call_args.args[1] is ids and spies["after_read"].call_args.args[1] is ids
+        fmap.release(fi)
+    debug = FutureMap(CAP, device="cpu", debug=True)
+    with _CountOps() as count:
+        debug.release(debug.alloc(1))
+    assert count.ops  # the counter does see the debug checker's device ops
+
+
+def test_debug_alloc_and_release_effects_run_through_device_exec(dmap):
+    ran: list[object] = []
+
+    def run(effect):  # type: ignore[no-untyped-def]
+        ran.append(effect)
+        effect()
+
+    dmap.device_exec = run
+    fi, ph = _stored(dmap, 2)
+    assert len(ran) == 1
+    dmap.release(fi)
+    assert len(ran) == 2 and dmap.slot_states is not None
+    assert dmap.slot_states.state[1:3].tolist() == [FREE] * 2
+    with pytest.raises(FutureError, match=r"read of slot 1 which is free \(released\)"):
+        dmap.resolve(ph)
+    dmap.release(dmap.alloc(0))
+    assert len(ran) == 2  # nothing allocated or freed: no device effect

@@ -2,17 +2,16 @@
 
 The slot bookkeeping and the ownership rule live in :mod:`tfuture.core.slots` (host, numpy);
 this layer adds the device buffer ``token_map``, its error flag, the store/resolve/prepare
-launches, and (debug mode) the device-side slot state machine of :mod:`tfuture.core.debug`.
+launches, and the checker of :mod:`tfuture.core.debug` it calls around them: the device-side
+slot state machine in debug mode, a checker whose hooks return at once otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
-from tfuture.core.debug import SlotStates
+from tfuture.core.debug import NO_CHECKS, DeviceExec, SlotChecker, SlotStates
 from tfuture.core.errors import FutureError, FutureMapFull, raise_if_flagged
 from tfuture.core.slots import FutureIndices, SlotPool
 from tfuture.kernels._common import (
@@ -26,8 +25,6 @@ from tfuture.kernels._common import (
 )
 from tfuture.kernels.resolve import (
     PreparedInputs,
-    check_prepare_args,
-    check_segments,
     launch_prepare,
     launch_resolve_,
     prepare_inputs,
@@ -71,10 +68,11 @@ class FutureMap(SlotPool):
         # "cuda" becomes "cuda:0": tensors report an indexed device, and comparisons must match.
         self.device = self.token_map.device
         self.err: torch.Tensor = torch.zeros(ERR_LEN, dtype=torch.int64, device=self.device)
-        self._states: SlotStates | None = SlotStates(self.token_map, self.err) if debug else None
+        # Called around every bookkeeping call and launch; only debug mode's checks do anything.
+        self._checks: SlotChecker = SlotStates(self.token_map, self.err) if debug else NO_CHECKS
         # Where debug-mode device effects of alloc/release run; a runtime points it at its
         # forward stream so they stay ordered with that stream's resolves and stores.
-        self.device_exec: Callable[[Callable[[], None]], None] | None = None
+        self.device_exec: DeviceExec = None
 
     def __repr__(self) -> str:
         return (
@@ -85,24 +83,26 @@ class FutureMap(SlotPool):
     @property
     def slot_states(self) -> SlotStates | None:
         """Debug mode's device-side slot state machine (None without debug)."""
-        return self._states
+        checks = self._checks
+        return checks if isinstance(checks, SlotStates) else None
+
+    @property
+    def checks(self) -> SlotChecker:
+        """The checker this map calls around its calls: :attr:`slot_states`, or a no-op one."""
+        return self._checks
 
     def alloc(self, n: int) -> FutureIndices:
         """A handle on ``n`` fresh slots (``n`` may be 0). Raises :class:`FutureMapFull`."""
         fi = super().alloc(n)
-        states = self._states
-        if states is not None and len(fi):
-            slots = fi.slots
-            self._on_device(lambda: states.on_alloc(slots))
+        self._checks.on_alloc(fi, self.device_exec)
         return fi
 
     def release(self, fi: FutureIndices) -> None:
         """Drop ``fi``'s references; slots with no reference left become reusable."""
         self.check_handle(fi, "release")
-        states = self._states
-        freed = fi.drop_references(want_freed=states is not None)
-        if states is not None and freed is not None and freed.size:
-            self._on_device(lambda: states.on_release(freed))
+        checks = self._checks
+        # Only a checker that wants them pays for the freed slots (a hot-path cost).
+        checks.on_release(fi.drop_references(want_freed=checks.wants_freed), self.device_exec)
 
     def store(self, fi: FutureIndices, tokens: torch.Tensor) -> None:
         """Enqueue ``slot <- token`` per row of ``fi`` on the current stream.
@@ -116,7 +116,8 @@ class FutureMap(SlotPool):
         """
         self.check_handle(fi, "store")
         check_vector("tokens", tokens)
-        check_same_device("tokens", tokens, "the FutureMap", self.token_map)
+        if tokens.device != self.device:  # the map's own device object: no second one to build
+            check_same_device("tokens", tokens, "the FutureMap", self.token_map)
         if tokens.numel() != len(fi):
             raise ValueError(f"store expects {len(fi)} tokens (one per slot), got {tokens.numel()}")
         if fi.has_duplicates():
@@ -125,9 +126,8 @@ class FutureMap(SlotPool):
             return
         if not tokens.is_cuda and narrows(self.dtype, tokens.dtype):
             _check_fits(tokens.numpy(), self.dtype)
-        states = self._states
-        if states is not None:
-            states.on_store(fi.slots, tokens)
+        checks = self._checks
+        checks.before_store(fi, tokens)
         if tokens.is_cuda:
             tokens.record_stream(torch.cuda.current_stream(tokens.device))
         span = fi.span
@@ -137,8 +137,7 @@ class FutureMap(SlotPool):
         else:
             dev_slots = torch.from_numpy(np.array(fi.slots)).to(self.device, non_blocking=True)
             launch_store(self.token_map, dev_slots, tokens, self.err)
-        if states is not None:
-            states.after_store(fi.slots, tokens)
+        checks.after_store(fi, tokens)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """In place on the current stream, every negative id ``-s`` becomes slot ``s``'s token.
@@ -147,15 +146,15 @@ class FutureMap(SlotPool):
         read, and one whose token does not fit ``ids.dtype`` (int32 ids, an int64 map) is never
         wrapped: it becomes 0 and is flagged; :meth:`check` (or the runtime's next sync) raises.
         """
-        self._check_ids(ids)
+        check_vector("ids", ids)
+        if ids.device != self.device:  # the map's own device object: no second one to build
+            check_same_device("ids", ids, "the FutureMap", self.token_map)
         if ids.is_cuda:
             ids.record_stream(torch.cuda.current_stream(ids.device))
-        states = self._states
-        if states is not None:
-            states.before_read(ids)
+        checks = self._checks
+        checks.before_read(ids)
         launch_resolve_(ids, self.token_map, self.err)
-        if states is not None:
-            states.after_read(ids)
+        checks.after_read(ids)
         return ids
 
     def prepare_inputs(
@@ -168,18 +167,13 @@ class FutureMap(SlotPool):
         out: PreparedInputs | None = None,
     ) -> PreparedInputs:
         """:func:`tfuture.kernels.resolve.prepare_inputs` against this map, with its checks."""
-        states = self._states
-        if states is not None:
-            # Every check before the debug read marks slots read; otherwise the launcher checks.
-            check_prepare_args(tokens, seg_starts, prefix_lens, self.token_map, n_rows, out, None)
-            if not self.token_map.is_cuda:
-                check_segments(seg_starts, prefix_lens)
-            states.before_read(tokens)
+        checks = self._checks
+        # Debug mode checks every argument before its read marks slots read; else the launcher checks.
+        checks.before_prepare(tokens, seg_starts, prefix_lens, n_rows, out)
         res = prepare_inputs(
             tokens, seg_starts, prefix_lens, self.token_map, n_rows=n_rows, out=out, err=self.err
         )
-        if states is not None:
-            states.after_read(res.input_ids)
+        checks.after_read(res.input_ids)
         return res
 
     def launch_prepare(
@@ -193,12 +187,10 @@ class FutureMap(SlotPool):
         """:meth:`prepare_inputs` without its argument checks, for a caller that built well-formed
         tensors itself (the runtime: from a checked :class:`tfuture.core.batch.Batch`). Debug mode
         still checks every slot it reads."""
-        states = self._states
-        if states is not None:
-            states.before_read(tokens)
+        checks = self._checks
+        checks.before_read(tokens)
         res = launch_prepare(tokens, seg_starts, prefix_lens, self.token_map, n_rows, out, self.err)
-        if states is not None:
-            states.after_read(res.input_ids)
+        checks.after_read(res.input_ids)
         return res
 
     def check(self) -> None:
@@ -206,16 +198,6 @@ class FutureMap(SlotPool):
         flags = self.err.tolist()
         self.err.zero_()
         raise_if_flagged(flags)
-
-    def _on_device(self, fn: Callable[[], None]) -> None:
-        if self.device_exec is None:
-            fn()
-        else:
-            self.device_exec(fn)
-
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        check_vector("ids", ids)
-        check_same_device("ids", ids, "the FutureMap", self.token_map)
 
 
 def _check_fits(values: np.ndarray, dtype: torch.dtype) -> None:

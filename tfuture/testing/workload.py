@@ -1,31 +1,14 @@
-"""What a run is asked to do: requests (:class:`RequestSpec`), seeded workloads, and the
-checks a scheduler runs on them once, before its first step."""
+"""Seeded test workloads (:func:`random_workload`) and host work that holds the GIL
+(:func:`spin`). The request type itself is product code: :class:`tfuture.scheduler.RequestSpec`."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import numpy as np
 
-from tfuture.grammars.base import Grammar, shared_vocab
-from tfuture.sampling import SamplingParams
+from tfuture.scheduler.batcher import spin
+from tfuture.scheduler.request import RequestSpec
 
-__all__ = ["RequestSpec", "default_params_row", "grammar_vocab", "random_workload", "spin"]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    """One request: id, arrival (in scheduler ticks), prompt ``[n]`` int64, length limit,
-    grammar (False; True: the batcher's grammar; or a :class:`tfuture.grammars.Grammar` of its
-    own) and sampling parameters (None: the sampler's defaults, greedy)."""
-
-    rid: int
-    arrival: int
-    prompt: np.ndarray
-    max_new: int
-    grammar: bool | Grammar = False
-    params: SamplingParams | None = None
+__all__ = ["RequestSpec", "random_workload", "spin"]
 
 
 def random_workload(
@@ -53,30 +36,3 @@ def random_workload(
             )
         )
     return specs
-
-
-def spin(seconds: float) -> None:
-    """Busy host work that holds the GIL, like a Python scheduler's bookkeeping."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-def grammar_vocab(specs: list[RequestSpec], grammar: Grammar | None) -> int | None:
-    """The vocab every grammar of the run shares (None without grammars); raise on a mismatch."""
-    named: dict[str, object] = {} if grammar is None else {"grammar": grammar}
-    for s in specs:
-        if s.grammar is True and grammar is None:
-            raise ValueError(f"request {s.rid} asks for a grammar but no grammar was given")
-        if not isinstance(s.grammar, bool):
-            named[f"request {s.rid}'s grammar"] = s.grammar
-    return shared_vocab(named)
-
-
-def default_params_row(specs: list[RequestSpec]) -> np.ndarray | None:
-    """The packed default SamplingParams row when any request has params, else None."""
-    for s in specs:
-        if s.params is not None and not isinstance(s.params, SamplingParams):
-            got = type(s.params).__name__
-            raise TypeError(f"request {s.rid}: params must be a SamplingParams or None, got {got}")
-    return None if all(s.params is None for s in specs) else SamplingParams().pack()
