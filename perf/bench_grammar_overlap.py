@@ -37,8 +37,8 @@ from tfuture import FutureMap
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler, SamplingParams
 from tfuture.testing import ContinuousBatcher, RequestSpec, ToyGrammar, ToyModel
-from tfuture.testing.batcher import spin
 from tfuture.testing.toy import ToyMatcher
+from tfuture.testing.workload import spin
 
 SHARES = [0, 50, 100]  # percent of the batch's requests with a grammar
 BATCH = 16

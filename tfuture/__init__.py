@@ -1,26 +1,64 @@
 """tfuture: future slots, resolve/store kernels and an overlap runtime for LLM serving.
 
-Layers, each importing only those above it in this list: ``errors``, ``args``; ``slots`` (host
-slot bookkeeping, ``FutureIndices``); ``kernels``; ``debug`` (device slot states); ``futures``
-(``FutureMap``); ``fields``; ``stream_base``, ``streams``, ``staging``, ``stats``, ``faults``;
-``batch``, ``steps``, ``token_step``, ``speculative``; ``runtime``; ``testing``, ``models``,
-``examples``.
+The names here are what a user writes against: the runtime (:class:`OverlapRuntime`), the
+scheduler (:class:`ContinuousBatcher`, :class:`RequestSpec`), the step data and protocols
+(:class:`Batch`, :class:`StepResult`, :class:`ForwardBatch`, :class:`HostMeta`, :class:`Model`,
+:class:`Scheduler`), sampling (:class:`SamplingParams`, :class:`Sampler`), padding buckets
+(:class:`Buckets`), run statistics (:class:`RunStats`) and the future slots with their checked
+kernels. No module of tfuture imports this package itself.
+
+Layers, lowest first; a module imports only from its own layer or lower ones
+(``tests/test_layers.py`` holds the exact list):
+
+1. ``core.errors``, ``core.checks``: exceptions and argument checks;
+2. ``core.params`` (``SamplingParams`` and its packing), ``core.slots`` (host slot bookkeeping,
+   ``FutureIndices``);
+3. ``kernels``: the Triton kernels and their numpy twins;
+4. ``core.debug`` (device slot states), 5. ``core.future_map`` (``FutureMap``),
+   6. ``core.future_fields`` (``FutureFields``), 7. ``core.batch`` (``Batch`` and the protocols);
+8. ``streams``: stream backends, staging rings, ``RunStats``;
+9. ``sampling``: the device ``Sampler``;
+10. ``steps``: step kinds (``steps.masks``; ``steps.base``; ``steps.token``, ``steps.speculative``);
+11. ``grammars``: the matcher protocol, bitmasks, the xgrammar adapter;
+12. ``runtime``: the loop; 13. ``scheduler``: ``ContinuousBatcher``; 14. this package;
+15. ``distributed``, 16. ``models``, 17. ``examples``, 18. ``testing`` (test tools: nothing else
+    imports them).
 """
 
+from tfuture.core.batch import Batch, ForwardBatch, HostMeta, Model, Scheduler, StepResult
 from tfuture.core.errors import FutureError, FutureMapFull
 from tfuture.core.future_fields import FutureFields
 from tfuture.core.future_map import FutureMap
+from tfuture.core.params import SamplingParams
 from tfuture.core.slots import FutureIndices
 from tfuture.kernels.resolve import PreparedInputs, prepare_inputs, resolve_futures_
 from tfuture.kernels.store import store_futures
+from tfuture.runtime import OverlapRuntime
+from tfuture.sampling.sampler import Sampler
+from tfuture.scheduler import ContinuousBatcher, RequestSpec
+from tfuture.steps.token import Buckets
+from tfuture.streams.stats import RunStats
 
 __all__ = [
+    "Batch",
+    "Buckets",
+    "ContinuousBatcher",
+    "ForwardBatch",
     "FutureError",
     "FutureFields",
     "FutureIndices",
     "FutureMap",
     "FutureMapFull",
+    "HostMeta",
+    "Model",
+    "OverlapRuntime",
     "PreparedInputs",
+    "RequestSpec",
+    "RunStats",
+    "Sampler",
+    "SamplingParams",
+    "Scheduler",
+    "StepResult",
     "prepare_inputs",
     "resolve_futures_",
     "store_futures",

@@ -229,11 +229,12 @@ class OverlapRuntime:
         self._step += 1
         self._inflight.append(rec)
         data, dev = staging.data[:total], fmap.device
+        make = type(plan.inputs)._make  # the kind's named inputs, as device views
 
         def prepare() -> None:
             # A real copy on every backend: the step must not alias the reusable host buffer.
             dev_in = data.to(dev, non_blocking=True, copy=True)
-            kind.prepare(rec, torch.tensor_split(dev_in, split))
+            kind.prepare(rec, make(torch.tensor_split(dev_in, split)))
 
         delayed = rec.delayed = kind.delayed(batch)
         ops = [("prepare", prepare), *kind.forward_ops(rec)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from tfuture import FutureMap
 from tfuture.core.batch import Batch, StepResult
 from tfuture.distributed import ParallelContext, ParallelRuntime, init_parallel
 from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler, SamplingParams
 from tfuture.testing import ContinuousBatcher, ToyGrammar, random_workload
 from tfuture.testing.toy_spec import random_delay
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
@@ -80,6 +82,59 @@ def grammar_run(rank: int, world: int, port: int, tp: int, pp: int) -> dict[str,
         return {"outputs": outputs, "in_use": fmap.in_use}
     finally:
         ctx.close()
+
+
+def sampled_workload() -> tuple[list[Any], ToyGrammar]:
+    """Per-request SamplingParams (temperature, top-p, top-k, min-p, seeds, penalties) mixed
+    with greedy requests, and grammar requests (their rows wait for packed bitmask rows)."""
+    specs = random_workload(
+        11, N_REQ, vocab=VOCAB, max_prompt=8, max_new=8, arrival_span=5, grammar_share=0.4
+    )
+    kinds = [
+        SamplingParams(temperature=0.9, top_p=0.8, seed=7),
+        SamplingParams(temperature=1.3, top_k=12, min_p=0.05, seed=21, frequency_penalty=0.4),
+        None,
+        SamplingParams(temperature=0.7, seed=3, presence_penalty=0.6, repetition_penalty=1.2),
+        SamplingParams(repetition_penalty=1.5),  # greedy with a penalty
+    ]
+    specs = [replace(s, params=kinds[i % len(kinds)]) for i, s in enumerate(specs)]
+    return specs, ToyGrammar(VOCAB, seed=4)
+
+
+def sampled_reference() -> dict[int, list[int]]:
+    """The single-rank run of :func:`sampled_workload`: one scheduler, the plain runtime."""
+    specs, grammar = sampled_workload()
+    fmap = FutureMap(64, device="cpu")
+    sched = ContinuousBatcher(specs, fmap, eos=EOS, max_running=4, grammar=grammar, delay="rows")
+    OverlapRuntime(ParallelTransformer(**MODEL), fmap, sampler=Sampler(history_rows=N_REQ)).run(sched)
+    assert fmap.in_use == 0
+    return sched.outputs
+
+
+def sampled_run(rank: int, world: int, port: int, tp: int, pp: int) -> dict[str, Any]:
+    """:func:`sampled_workload` in sync and overlapped under stream delays, with every rank's own
+    Sampler (the last stage's tensor rank 0 samples, then broadcasts and sends the tokens)."""
+    ctx = join(rank, world, port, tp, pp)
+    runs: dict[str, Any] = {}
+    try:
+        for name, overlap in (("sync", False), ("overlap", True)):
+            specs, grammar = sampled_workload()
+            fmap = FutureMap(64, device="cpu")
+            groups = [
+                ContinuousBatcher(part, fmap, eos=EOS, max_running=2, grammar=grammar, delay="rows")
+                for part in split_round_robin(specs, pp)
+            ]
+            delay = random_delay(40 + rank, p=0.3, max_s=2e-3) if overlap else None
+            sampler = Sampler(history_rows=N_REQ)
+            model = ParallelTransformer(ctx=ctx, **MODEL)
+            ParallelRuntime(model, fmap, ctx, overlap=overlap, delay=delay, sampler=sampler).run(groups)
+            outputs: dict[int, list[int]] = {}
+            for g in groups:
+                outputs.update(g.outputs)
+            runs[name] = {"outputs": outputs, "in_use": fmap.in_use, "live_rows": sampler.live_rows}
+    finally:
+        ctx.close()
+    return runs
 
 
 def _map_digest(fmap: FutureMap) -> str:
@@ -242,13 +297,13 @@ def divergence(rank: int, world: int, port: int, tp: int, pp: int) -> dict[str, 
 
 
 def token_divergence(rank: int, world: int, port: int, tp: int, pp: int) -> dict[str, Any]:
-    """Rank 1 stores other tokens from its 4th sample on (a patched ``ParallelStep._sample``, as
-    a bad sampler or broadcast would): the debug digest of the stored tokens must catch it."""
+    """Rank 1 stores other tokens from its 4th broadcast on (a patched ``ParallelStep._broadcast``,
+    as a bad sampler or broadcast would): the debug digest of the stored tokens must catch it."""
     ctx = join(rank, world, port, tp, pp)
     fmap = FutureMap(64, device="cpu", debug=True)
     runtime = ParallelRuntime(ParallelTransformer(ctx=ctx, **MODEL), fmap, ctx)
     if rank == 1:
-        original, calls = runtime.kind._sample, [0]
+        original, calls = runtime.kind._broadcast, [0]
 
         def skewed(state: Any) -> None:
             original(state)
@@ -256,7 +311,7 @@ def token_divergence(rank: int, world: int, port: int, tp: int, pp: int) -> dict
             if calls[0] >= 4:
                 state.sampled = (state.sampled + 1) % VOCAB
 
-        runtime.kind._sample = skewed  # type: ignore[method-assign]
+        runtime.kind._broadcast = skewed  # type: ignore[method-assign]
     groups = [
         ContinuousBatcher(part, fmap, eos=EOS, max_running=2) for part in split_round_robin(workload(), pp)
     ]

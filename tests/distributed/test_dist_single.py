@@ -350,15 +350,24 @@ def test_nccl_needs_a_gpu_per_local_rank(monkeypatch: pytest.MonkeyPatch) -> Non
         init_parallel(2, 1, rank=0, world_size=2, master_port=1, backend="nccl")
 
 
-def test_a_mask_row_that_allows_only_padding_bits_is_refused_once_the_vocab_is_known() -> None:
-    from tfuture.distributed.stage import MicroState, check_mask, check_mask_width
+def test_a_mask_row_that_allows_only_padding_bits_is_refused_once_the_vocab_is_known(
+    ctx: ParallelContext,
+) -> None:
+    """The token step's own mask checks run on a parallel rank: a packed row that allows only
+    token 42 of a vocab of 40 (a padding bit) is refused on the stream, naming the request."""
 
-    state = MicroState(None, 0, np.array([0, 1]), None, np.empty(0, np.int64), 2, np.array([1]))
-    state.mask = check_mask(np.array([[0, 1 << 10]], dtype=np.int32), state, 3)  # token 42 only
-    with pytest.raises(
-        ValueError, match="step 3: the mask row of request -1 allows no token of the vocab of 40"
-    ):
-        check_mask_width(state, 40, 3)
-    check_mask_width(state, 43, 3)  # token 42 is in a vocab of 43
-    with pytest.raises(ValueError, match=r"ceil\(80 / 32\) words \(the logits' vocab\), got 2"):
-        check_mask_width(state, 80, 3)
+    class PaddingOnly(ContinuousBatcher):
+        def build_mask(self, batch: Batch) -> np.ndarray:
+            rows = super().build_mask(batch)
+            assert rows is not None
+            bad = np.zeros_like(rows)
+            bad[:, 1] = 1 << 10  # token 32 + 10 = 42
+            return bad
+
+    specs = random_workload(3, 4, vocab=40, max_prompt=5, max_new=4, grammar_share=1.0)
+    fmap = FutureMap(32, device="cpu")
+    sched = PaddingOnly(specs, fmap, eos=5, max_running=3, grammar=ToyGrammar(40, seed=1), mask="bitmask")
+    model = ParallelTransformer(ctx=ctx, **{**MODEL, "vocab": 40})
+    with pytest.raises(ValueError, match=r"the mask row of request id \d+ .*allows no token"):
+        ParallelRuntime(model, fmap, ctx).run(sched)
+    assert fmap.in_use == 0

@@ -94,6 +94,20 @@ def test_grammar_rows_wait_for_their_masks_across_ranks(pool2: RankPool, tp: int
         assert out["in_use"] == 0
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_sampling_params_penalties_and_grammar_equal_single_rank(pool2: RankPool, tp: int, pp: int) -> None:
+    """The parallel step is the token step: tfuture's Sampler with per-request parameters and
+    penalties, and grammar rows that wait (delay="rows"), token for token as on one rank."""
+    want = ds.sampled_reference()
+    specs, _ = ds.sampled_workload()
+    sampled = {s.rid for s in specs if s.params is not None and s.params.temperature > 0}
+    assert any(want[rid] for rid in sampled) and any(s.grammar for s in specs)
+    for rank, runs in enumerate(pool2.run(ds.sampled_run, tp, pp, timeout_s=JOIN_S)):
+        for name, run in runs.items():
+            assert run["outputs"] == want, f"rank {rank}, {name}: outputs differ from the single-rank run"
+            assert run["in_use"] == 0 and run["live_rows"] == 0, f"rank {rank}, {name}"
+
+
 def _check_failure(results: list[dict[str, Any]], fail_rank: int, where: str, bound_s: float) -> None:
     for rank, out in enumerate(results):
         assert out["in_use"] == 0, f"rank {rank} kept {out['in_use']} slots"

@@ -103,7 +103,7 @@ def test_delayed_rows_and_their_masks(delay, mask):
         assert mask_requests(batch).tolist() == [1, 3]
         want = np.stack([g.allowed[0], own.allowed[0]])
     else:
-        assert batch.delayed is True and mask_requests(batch).tolist() == [0, 1, 2, 3]
+        assert batch.delayed.all() and mask_requests(batch).tolist() == [0, 1, 2, 3]
         free = np.ones(VOCAB, dtype=bool)
         want = np.stack([free, g.allowed[0], free, own.allowed[0]])
     got = sched.build_mask(batch)
@@ -115,9 +115,9 @@ def test_delayed_rows_and_their_masks(delay, mask):
 
 def test_all_grammar_or_no_grammar_steps():
     fmap = FutureMap(16, device="cpu")
-    assert ContinuousBatcher(specs([True, True]), fmap, grammar=ToyGrammar(VOCAB)).schedule().delayed is True
+    assert ContinuousBatcher(specs([True, True]), fmap, grammar=ToyGrammar(VOCAB)).schedule().delayed.all()
     assert (
-        ContinuousBatcher(specs([False, False]), fmap, grammar=ToyGrammar(VOCAB)).schedule().delayed is False
+        not ContinuousBatcher(specs([False, False]), fmap, grammar=ToyGrammar(VOCAB)).schedule().delayed.any()
     )
 
 

@@ -12,13 +12,16 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from tiny_bpe import CORPUS, DEFAULT_MERGES, END_TOKEN, tiny_tokenizer
+
 import tfuture.testing.tokenizer as module
-from tfuture.testing.tokenizer import DEFAULT_MERGES, END_TOKEN, tiny_tokenizer
+from tfuture.testing.tokenizer import train_bpe
 
 # The module alone (no torch import): a fresh process trains in well under a second.
 SNIPPET = (
     f"import importlib.util as u, json; s = u.spec_from_file_location('tok', {module.__file__!r}); "
-    "m = u.module_from_spec(s); s.loader.exec_module(m); t = m.tiny_tokenizer; "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); "
+    f"t = lambda: m.train_bpe(open({str(CORPUS)!r}, encoding='utf-8').read().splitlines()); "
 )
 
 
@@ -64,3 +67,10 @@ def test_bad_merge_counts_raise(merges):
 def test_more_merges_than_the_corpus_holds_raise():
     with pytest.raises(ValueError, match="merges of frequency >= 2, asked for 4000"):
         tiny_tokenizer(4000)
+
+
+def test_the_corpus_is_given_as_lines():
+    with pytest.raises(TypeError, match="iterable of strings"):
+        train_bpe("one string")
+    tok = train_bpe(["the cat sat", "the cat sat", "on the mat"], merges=2)
+    assert tok.get_vocab_size() == 256 + 2 + 1 and tok.decode(tok.encode("the mat").ids) == "the mat"

@@ -11,11 +11,11 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("xgrammar")
 
 import xgrammar as xgr
+from tiny_bpe import END_TOKEN, tiny_tokenizer
 
 from tfuture.grammars import Grammar, Matcher, build_bitmask
 from tfuture.grammars.xgrammar import XGrammarCompiler, tokenizer_info
 from tfuture.kernels.bitmask import unpack_bitmask
-from tfuture.testing.tokenizer import END_TOKEN, tiny_tokenizer
 
 FLAG = {"type": "object", "properties": {"done": {"type": "boolean"}}, "required": ["done"]}
 

@@ -17,9 +17,10 @@ from tfuture.core.batch import Batch, ForwardBatch, StepResult
 from tfuture.core.future_map import FutureMap
 from tfuture.grammars import mask_requests
 from tfuture.sampling import Sampler, SamplingParams
-from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
+from tfuture.scheduler import ContinuousBatcher, RequestSpec
 from tfuture.testing.faults import HOST_POINTS, SPEC_POINTS, TOKEN_POINTS
 from tfuture.testing.toy import ToyGrammar, ToyModel
+from tfuture.testing.workload import random_workload
 
 
 @dataclass(frozen=True, slots=True)

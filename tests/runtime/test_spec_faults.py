@@ -8,9 +8,9 @@ import torch
 from tfuture import FutureMap
 from tfuture.runtime import OverlapRuntime
 from tfuture.steps.speculative import SpecStep
-from tfuture.testing.batcher import random_workload
 from tfuture.testing.faults import SPEC_POINTS, FaultPlan, InjectedFault
 from tfuture.testing.toy_spec import SpecBatcher, ToySpecModel, reference_outputs
+from tfuture.testing.workload import random_workload
 
 
 def new_map() -> FutureMap:

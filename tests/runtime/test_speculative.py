@@ -19,7 +19,6 @@ from tfuture import FutureMap
 from tfuture.kernels.spec import SpecInputs
 from tfuture.runtime import OverlapRuntime
 from tfuture.steps.speculative import SpecBatch, SpecResult, SpecStep, greedy_accept
-from tfuture.testing.batcher import random_workload
 from tfuture.testing.equivalence import run_workload
 from tfuture.testing.toy import ToyModel
 from tfuture.testing.toy_spec import (
@@ -30,6 +29,7 @@ from tfuture.testing.toy_spec import (
     reference_outputs,
     run_spec,
 )
+from tfuture.testing.workload import random_workload
 
 
 def test_greedy_accept() -> None:

@@ -62,7 +62,7 @@ def test_grammar_defaults_packed_masks_and_the_whole_step_waits():
     sched = ContinuousBatcher(specs, fmap, grammar=ToyGrammar(64))
     assert (sched.mask, sched.delay) == ("bitmask", "batch")
     batch = sched.schedule()
-    assert batch.delayed is True and sched.build_mask(batch).shape == (3, 2)
+    assert batch.delayed.all() and sched.build_mask(batch).shape == (3, 2)
 
 
 def test_only_grammar_rows_wait_on_request():

@@ -28,6 +28,16 @@ def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
+def check_delayed(d: object, n: int) -> np.ndarray:
+    """``Batch.delayed`` as its one type, a ``[n]`` bool array (a bool applies to every request)."""
+    if isinstance(d, bool | np.bool_):
+        return np.full(n, bool(d)) if d else np.zeros(n, dtype=np.bool_)
+    if not isinstance(d, np.ndarray) or d.dtype != np.bool_ or d.shape != (n,):
+        got = f"{d.dtype} array of shape {d.shape}" if isinstance(d, np.ndarray) else type(d).__name__
+        raise TypeError(f"Batch.delayed must be a bool or a bool numpy array of {n} entries, got {got}")
+    return d
+
+
 def check_consumes(owner: str, consumes: object) -> None:
     """Raise unless ``consumes`` is a list of ``FutureIndices``."""
     if not isinstance(consumes, list) or not all(isinstance(h, FutureIndices) for h in consumes):
@@ -51,10 +61,10 @@ class Batch:
             or the last chunk of a prefill). ``out`` gets one slot per sampling request, in order.
         consumes: handles whose placeholders appear in ``tokens``. The runtime takes them over
             and releases them once the step's resolve is enqueued.
-        delayed: sample only after the previous step's results were processed (a grammar mask):
-            ``True`` for the whole step, or a bool array ``[n_reqs]`` naming the requests whose
-            token waits (only those rows wait; the others sample right after the forward).
-            Entries of requests that do not sample are ignored.
+        delayed: ``[n_reqs]`` bool, True where the request's token waits for a mask built after
+            the previous step's results were processed (a grammar); a single bool given at
+            construction applies to every request and is stored as such an array. Entries of
+            requests that do not sample are ignored. Assign a ``[n_reqs]`` bool array to change it.
         sampling: ``[n_reqs, PARAM_WORDS]`` int64, every request's packed
             :class:`tfuture.sampling.SamplingParams` (``pack_params``), or ``None`` (greedy, or the
             model's own ``sample``). It reaches the device in the step's one H2D copy.
@@ -71,7 +81,7 @@ class Batch:
     req_ids: np.ndarray
     sample: np.ndarray
     consumes: list[FutureIndices] = field(default_factory=list)
-    delayed: bool | np.ndarray = False
+    delayed: Any = False  # np.ndarray [n_reqs] bool after construction (check_delayed)
     tag: Any = None
     out: FutureIndices | None = None
     step: int = -1
@@ -92,13 +102,7 @@ class Batch:
             raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
         if n and self.prefix_lens.min() < 0:
             raise ValueError(f"Batch.prefix_lens must be >= 0, got min {self.prefix_lens.min()}")
-        if not isinstance(self.delayed, bool | np.bool_):
-            d = self.delayed
-            if not isinstance(d, np.ndarray) or d.dtype != np.bool_ or d.shape != (n,):
-                got = f"{d.dtype} array of shape {d.shape}" if isinstance(d, np.ndarray) else type(d).__name__
-                raise TypeError(
-                    f"Batch.delayed must be a bool or a bool numpy array of {n} entries, got {got}"
-                )
+        self.delayed = check_delayed(self.delayed, n)
         if self.sampling is not None:
             self.sampling = check_packed_params(self.sampling, n)
         if self.ended.size and n:

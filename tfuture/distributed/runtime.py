@@ -14,6 +14,8 @@ from tfuture.distributed.failure import FailureWatcher, fail_run, finish_run
 from tfuture.distributed.micro import MicroBatchScheduler
 from tfuture.distributed.step import ParallelStep, StageModel
 from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
+from tfuture.steps.token import Buckets
 from tfuture.streams.backends import Delay
 from tfuture.streams.base import RunWrapper
 from tfuture.streams.stats import RunStats
@@ -28,8 +30,9 @@ class ParallelRuntime:
     Every rank builds the same schedulers over the same requests with its own ``fmap`` (same
     capacity and dtype on every rank, checked) and calls :meth:`run` the same number of times.
     ``check`` (default: ``fmap.debug``) compares a digest of every step's batch and of every
-    stored token across ranks (host syncs). Other arguments as for
-    :class:`tfuture.runtime.OverlapRuntime`.
+    stored token across ranks (host syncs). ``buckets`` and ``sampler`` (every rank's own
+    :class:`tfuture.sampling.Sampler`; the last stage's tensor rank 0 samples) and the other
+    arguments as for :class:`tfuture.runtime.OverlapRuntime`.
     """
 
     def __init__(
@@ -44,6 +47,8 @@ class ParallelRuntime:
         faults: RunWrapper | None = None,
         trace: bool = True,
         check: bool | None = None,
+        buckets: Buckets | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
@@ -51,7 +56,7 @@ class ParallelRuntime:
             raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
         self.ctx, self.fmap, self.overlap = ctx, fmap, bool(overlap)
         self.check = fmap.debug if check is None else bool(check)
-        self.kind = ParallelStep(model, ctx, check=self.check)
+        self.kind = ParallelStep(model, ctx, check=self.check, buckets=buckets, sampler=sampler)
         self.runtime = OverlapRuntime(
             self.kind, fmap, overlap=overlap, stream=stream, delay=delay, faults=faults, trace=trace
         )
@@ -59,7 +64,7 @@ class ParallelRuntime:
 
     @property
     def model(self) -> StageModel:
-        return self.kind.model
+        return self.kind.model  # type: ignore[return-value]
 
     def run(self, schedulers: Any | Sequence[Any], max_steps: int | None = None) -> RunStats:
         """Run ``schedulers`` (one :class:`tfuture.core.batch.Scheduler`, or one per micro-batch group:

@@ -16,13 +16,14 @@ import os
 import tempfile
 from typing import Any
 
+import numpy as np
 import torch
 
 from tfuture.core.future_map import FutureMap
 from tfuture.models import HFCausalLM
 from tfuture.runtime import OverlapRuntime
+from tfuture.scheduler import ContinuousBatcher, RequestSpec
 from tfuture.streams.stats import RunStats
-from tfuture.testing import ContinuousBatcher, RequestSpec, random_workload
 
 
 def build_llama(
@@ -45,6 +46,23 @@ def build_llama(
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def make_requests(
+    seed: int, n: int, *, vocab: int, max_prompt: int, max_new: int, arrival_span: int
+) -> list[RequestSpec]:
+    """``n`` seeded requests: random prompts of 1..``max_prompt`` ids (no id 0), limits of
+    1..``max_new`` tokens, arrivals in ticks 0..``arrival_span``."""
+    rng = np.random.default_rng(seed)
+    return [
+        RequestSpec(
+            rid,
+            arrival=int(rng.integers(0, arrival_span + 1)),
+            prompt=rng.integers(1, vocab, int(rng.integers(1, max_prompt + 1)), dtype=np.int64),
+            max_new=int(rng.integers(1, max_new + 1)),
+        )
+        for rid in range(n)
+    ]
 
 
 def run(
@@ -79,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, RunStats]:
         max_requests=args.max_running,
         max_len=args.max_prompt + args.max_new,
     )
-    specs = random_workload(
+    specs = make_requests(
         args.seed,
         args.requests,
         vocab=vocab,

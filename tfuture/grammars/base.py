@@ -95,10 +95,5 @@ def build_bitmask(matchers: Sequence[Matcher | None], vocab: int, kind: str = "b
 
 def mask_requests(batch: Batch) -> np.ndarray:
     """Indices into the batch's sampling requests (``np.flatnonzero(batch.sample)``) whose sample
-    waits for a mask, in batch order: all of them for ``delayed=True``, none for False, else
-    those where the ``[n_reqs]`` bool array ``batch.delayed`` is True. ``[m]`` int64."""
-    delayed = batch.delayed
-    n_sample = int(np.count_nonzero(batch.sample))
-    if isinstance(delayed, np.ndarray):
-        return np.flatnonzero(delayed[batch.sample]).astype(np.int64)
-    return np.arange(n_sample if delayed else 0, dtype=np.int64)
+    waits for a mask (``batch.delayed`` True), in batch order. ``[m]`` int64."""
+    return np.flatnonzero(batch.delayed[batch.sample]).astype(np.int64)

@@ -6,7 +6,7 @@ tfuture[grammar]``; xgrammar is imported on first use, not with this module).
     ContinuousBatcher(specs, fmap, grammar=grammar, eos=compiler.stop_token_ids)
 
 ``tokenizer``: a Hugging Face ``transformers`` tokenizer, a byte-level ``tokenizers.Tokenizer``
-(e.g. :func:`tfuture.testing.tokenizer.tiny_tokenizer`), or an ``xgrammar.TokenizerInfo``.
+(e.g. one from :func:`tfuture.testing.tokenizer.train_bpe`), or an ``xgrammar.TokenizerInfo``.
 ``vocab_size`` is the model's logits width, which may exceed the tokenizer's vocabulary
 (padded ``lm_head``): the extra ids are never allowed. Each request gets its own
 :class:`XGrammarMatcher`, which fills its row of the packed int32 bitmask (xgrammar's layout,

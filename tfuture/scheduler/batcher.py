@@ -24,12 +24,19 @@ import numpy as np
 from tfuture.core.batch import Batch, StepResult
 from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests
-from tfuture.testing.workload import RequestSpec, default_params_row, grammar_vocab, random_workload, spin
+from tfuture.scheduler.request import RequestSpec, default_params_row, grammar_vocab
 
-__all__ = ["DELAYS", "ContinuousBatcher", "RequestSpec", "random_workload", "spin"]
+__all__ = ["DELAYS", "ContinuousBatcher", "RequestSpec", "spin"]
 
 DELAYS = ("rows", "batch")
 _NO_ROW = np.empty(0, dtype=np.int64)  # a request's sampling row when no request has params
+
+
+def spin(seconds: float) -> None:
+    """Busy host work that holds the GIL, like a Python scheduler's bookkeeping."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 @dataclass(slots=True, eq=False)

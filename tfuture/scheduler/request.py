@@ -1,17 +1,16 @@
-"""What a run is asked to do: requests (:class:`RequestSpec`), seeded workloads, and the
-checks a scheduler runs on them once, before its first step."""
+"""What a scheduler is asked to do: requests (:class:`RequestSpec`) and the checks
+:class:`tfuture.scheduler.ContinuousBatcher` runs on them once, before its first step."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from tfuture.core.params import SamplingParams
 from tfuture.grammars.base import Grammar, shared_vocab
-from tfuture.sampling import SamplingParams
 
-__all__ = ["RequestSpec", "default_params_row", "grammar_vocab", "random_workload", "spin"]
+__all__ = ["RequestSpec", "default_params_row", "grammar_vocab"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,40 +25,6 @@ class RequestSpec:
     max_new: int
     grammar: bool | Grammar = False
     params: SamplingParams | None = None
-
-
-def random_workload(
-    seed: int,
-    n_requests: int,
-    *,
-    vocab: int = 64,
-    max_prompt: int = 24,
-    max_new: int = 24,
-    arrival_span: int = 20,
-    grammar_share: float = 0.0,
-) -> list[RequestSpec]:
-    """Seeded requests with random prompt lengths, limits and arrival ticks."""
-    rng = np.random.default_rng(seed)
-    specs = []
-    for rid in range(n_requests):
-        prompt = rng.integers(1, vocab, int(rng.integers(1, max_prompt + 1)), dtype=np.int64)
-        specs.append(
-            RequestSpec(
-                rid,
-                int(rng.integers(0, arrival_span + 1)),
-                prompt,
-                int(rng.integers(1, max_new + 1)),
-                bool(rng.random() < grammar_share),
-            )
-        )
-    return specs
-
-
-def spin(seconds: float) -> None:
-    """Busy host work that holds the GIL, like a Python scheduler's bookkeeping."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def grammar_vocab(specs: list[RequestSpec], grammar: Grammar | None) -> int | None:

@@ -21,7 +21,7 @@ copy); :class:`tfuture.steps.speculative.SpecStep` the speculative one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,11 +37,12 @@ Op = tuple[str, Callable[[], None]]
 
 
 class StepPlan(NamedTuple):
-    """A step's host side: ``n_out`` fresh slots, ``inputs`` staged back to back (int64), and
+    """A step's host side: ``n_out`` fresh slots, ``inputs`` (a NamedTuple of int64 host arrays,
+    staged back to back in one H2D copy; ``prepare`` gets the same NamedTuple of device views), and
     ``state``, the kind's per-step record (device tensors land there on the stream)."""
 
     n_out: int
-    inputs: Sequence[np.ndarray]
+    inputs: Any
     state: Any
 
 
@@ -86,8 +87,9 @@ class StepKind(ABC):
         return False
 
     @abstractmethod
-    def prepare(self, rec: InFlight, inputs: Sequence[torch.Tensor]) -> None:
-        """On the stream: build the device inputs from the staged arrays (``inputs``, in order)."""
+    def prepare(self, rec: InFlight, inputs: Any) -> None:
+        """On the stream: build the device inputs from the staged arrays (``inputs``: the plan's
+        NamedTuple, with device views of its arrays)."""
 
     @abstractmethod
     def forward_ops(self, rec: InFlight) -> list[Op]:

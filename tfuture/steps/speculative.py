@@ -12,9 +12,9 @@ accepted lengths only when it processes step N, after step N+1 was launched.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -123,6 +123,14 @@ class SpecState:
     payload: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class SpecStaged(NamedTuple):
+    """A speculative step's staged index data (host arrays, then their device views)."""
+
+    last: Any
+    seq_lens: Any
+    req_ids: Any
+
+
 class SpecStep(StepKind):
     """The speculative step kind of a :class:`SpecModel` (see the module docstring).
 
@@ -149,13 +157,13 @@ class SpecStep(StepKind):
         if not isinstance(batch, SpecBatch):
             raise TypeError(f"schedule() must return a SpecBatch or None, got {type(batch).__name__}")
         n = batch.last.size
-        return StepPlan(n, (batch.last, batch.seq_lens, batch.req_ids), SpecState(n))
+        return StepPlan(n, SpecStaged(batch.last, batch.seq_lens, batch.req_ids), SpecState(n))
 
-    def prepare(self, rec: InFlight, inputs: Sequence[torch.Tensor]) -> None:
+    def prepare(self, rec: InFlight, inputs: SpecStaged) -> None:
         assert self._fmap is not None
         state: SpecState = rec.state
-        last, lens, state.req_ids = inputs
-        state.inputs = prepare_spec_inputs(last, lens, *self._bufs, err=self._fmap.err)
+        state.req_ids = inputs.req_ids
+        state.inputs = prepare_spec_inputs(inputs.last, inputs.seq_lens, *self._bufs, err=self._fmap.err)
 
     def forward_ops(self, rec: InFlight) -> list[Op]:
         state: SpecState = rec.state

@@ -8,20 +8,19 @@ CUDA graph per bucket. A step larger than every bucket runs unpadded.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from tfuture.core.batch import Batch, ForwardBatch, HostMeta, Model, StepResult
 from tfuture.core.future_map import FutureMap
-from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.kernels.resolve import PreparedInputs
 from tfuture.sampling import Sampler, SamplerPlan
 from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
 from tfuture.steps.masks import check_logits, check_mask, check_rows, check_width, widen
+from tfuture.steps.samplers import SamplePath, sample_path
 
 _NO_ROWS = np.empty(0, dtype=np.int64)
 
@@ -51,12 +50,33 @@ class Buckets:
         return n
 
 
+class TokenInputs(NamedTuple):
+    """A token step's staged index data, named: host int64 arrays at plan time, their device
+    views (one H2D copy, split) in :meth:`TokenStep.prepare`.
+
+    ``tokens [n_tokens]``, ``seg_starts [n_pad + 1]``, ``prefix_lens``, ``req_ids``,
+    ``seq_lens [n_pad]`` (padded to the bucket), ``sample_reqs [n_sample]``, ``late``/``now``
+    (sampling rows that wait for the mask / sample at once, when a step splits them; else
+    empty) and ``sampler_words`` (the sampler plan's words).
+    """
+
+    tokens: Any
+    seg_starts: Any
+    prefix_lens: Any
+    req_ids: Any
+    seq_lens: Any
+    sample_reqs: Any
+    late: Any
+    now: Any
+    sampler_words: Any
+
+
 @dataclass(slots=True, eq=False)
 class TokenState:
     """One token step's record. ``late``: the sampling rows (indices into ``sample_reqs``) that
     sample after the mask, ``now`` the others; ``mask_rows`` the rows the scheduler's mask
-    covers (``late``, unless the model's own sample takes every row of a step with a few
-    waiting rows)."""
+    covers (``late``, unless a sample path that takes every row at once samples a step with a
+    few waiting rows)."""
 
     sample_reqs: np.ndarray
     host: HostMeta
@@ -65,38 +85,53 @@ class TokenState:
     late: np.ndarray
     now: np.ndarray
     mask_rows: np.ndarray
-    splan: SamplerPlan | None = None
+    splan: SamplerPlan
     fwd: ForwardBatch | None = None
     logits: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    mask_ready: Any = None  # a CUDA event when the mask was built on the caller's stream
+    unchecked: np.ndarray | None = None  # mask rows' request ids, checked once the vocab is known
     sstate: Any = None
     late_dev: torch.Tensor | None = None
     now_dev: torch.Tensor | None = None
+
+    @property
+    def n_sample(self) -> int:
+        return int(self.sample_reqs.size)
+
+    @property
+    def split(self) -> bool:
+        """Whether some rows sample at once and others wait for the mask."""
+        return bool(self.late.size and self.now.size)
 
 
 class TokenStep(StepKind):
     """The step of a :class:`tfuture.core.batch.Model`, padded to ``buckets`` if given.
 
-    Sampling: with a :class:`tfuture.sampling.Sampler` (given, or the default one for a model
-    without ``sample``), per-request parameters come from :attr:`Batch.sampling`, a delayed step
-    samples its non-waiting rows right after the forward and only its waiting rows after the
-    mask, and packed bitmasks are applied on the device. With the model's own ``sample``, a step
-    with any waiting row waits whole, and the model gets a bool mask.
+    Sampling goes through one :class:`tfuture.steps.samplers.SamplePath`: ``sampler`` if given,
+    else the model's own ``sample``, else a default :class:`tfuture.sampling.Sampler`. A path
+    that samples row subsets (the Sampler) samples a delayed step's free rows right after the
+    forward and only its waiting rows after the mask; otherwise a step with any waiting row
+    waits whole.
+
+    Ops: ``prepare``, ``release`` (ended requests), the model ops (``forward``), ``sample_now``,
+    then ``sample`` (with the sampler's ``record``) and ``store``. A subclass adds ops around
+    them (:class:`tfuture.distributed.step.ParallelStep`: communication) by overriding
+    :meth:`model_ops` and :meth:`sample_ops`.
     """
 
     stream_ops = (*StepKind.stream_ops, "release", "forward", "sample_now", "sample", "store")
+    state_type: type[TokenState] = TokenState  # a subclass may keep more per step
 
     def __init__(self, model: Model, buckets: Buckets | None = None, sampler: Sampler | None = None) -> None:
         if buckets is not None and not isinstance(buckets, Buckets):
             raise TypeError(f"buckets must be a Buckets or None, got {type(buckets).__name__}")
-        if sampler is not None and not isinstance(sampler, Sampler):
-            raise TypeError(
-                f"sampler must be a tfuture.sampling.Sampler or None, got {type(sampler).__name__}"
-            )
-        if sampler is None and not callable(getattr(model, "sample", None)):
-            sampler = Sampler()
-        self.model, self.buckets, self.sampler = model, buckets, sampler
+        self.model, self.buckets = model, buckets
+        self.path: SamplePath = sample_path(model, sampler)
+        self.sampler = sampler if sampler is not None else getattr(self.path, "sampler", None)
+        #: Whether this step kind samples on this process (a parallel rank may not).
+        self.samples = True
         self.fmap: FutureMap | None = None
         self._outs: dict[tuple[int, int], PreparedInputs] = {}
         self._vocab: int | None = None  # logits width, once a step sampled (for mask checks)
@@ -104,9 +139,16 @@ class TokenStep(StepKind):
     def bind(self, fmap: FutureMap) -> None:
         self.fmap = fmap
 
+    # -- host, at launch ---------------------------------------------------------------------
+
     def plan(self, batch: Any) -> StepPlan:
         if not isinstance(batch, Batch):
             raise TypeError(f"schedule() must return a Batch or None, got {type(batch).__name__}")
+        state, inputs = self.plan_batch(batch)
+        return StepPlan(state.n_sample, inputs, state)
+
+    def plan_batch(self, batch: Batch) -> tuple[TokenState, TokenInputs]:
+        """The host side of ``batch``: its record and its staged arrays."""
         sample_reqs = np.flatnonzero(batch.sample)
         n_reqs, n_tok = batch.n_reqs, batch.tokens.size
         n_rows, n_pad = n_tok, n_reqs
@@ -129,84 +171,90 @@ class TokenStep(StepKind):
             int(batch.seg_lens.max()) if n_reqs else 0,
         )
         late, now, mask_rows = self._split_rows(batch, sample_reqs)
-        inputs = [batch.tokens, seg_starts, prefix, rids, lens, sample_reqs]
-        splan = None
-        if self.sampler is not None:
-            self.sampler.claim(self)
-            splan = self.sampler.plan(
-                batch.sampling,
-                batch.req_ids,
-                batch.seg_lens,
-                batch.prefix_lens,
-                sample_reqs,
-                batch.ended,
-                batch.step,
-            )
-            if late.size and now.size:
-                inputs += [late, now]
-            inputs.append(splan.words)
-        elif batch.sampling is not None:
-            raise ValueError(
-                "Batch.sampling needs tfuture's sampler, but the model samples itself: pass "
-                "OverlapRuntime(..., sampler=Sampler()) (or give the model no sample method)"
-            )
-        state = TokenState(sample_reqs, host, batch.ended, n_rows, late, now, mask_rows, splan)
-        return StepPlan(int(sample_reqs.size), inputs, state)
+        splan = self.path.plan(self, batch, sample_reqs)
+        split = bool(late.size and now.size)
+        inputs = TokenInputs(
+            batch.tokens,
+            seg_starts,
+            prefix,
+            rids,
+            lens,
+            sample_reqs,
+            late if split else _NO_ROWS,
+            now if split else _NO_ROWS,
+            splan.words,
+        )
+        state = self.state_type(sample_reqs, host, batch.ended, n_rows, late, now, mask_rows, splan)
+        return state, inputs
 
     def _split_rows(self, batch: Batch, sample_reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``."""
         rows = np.arange(sample_reqs.size, dtype=np.int64)
-        d = batch.delayed
-        if not isinstance(d, np.ndarray):
-            return (rows, _NO_ROWS, rows) if d else (_NO_ROWS, rows, _NO_ROWS)
-        waits = d[sample_reqs]
-        if not waits.any():
+        waits = batch.delayed[sample_reqs]
+        n_waits = int(np.count_nonzero(waits))
+        if n_waits == 0:
             return _NO_ROWS, rows, _NO_ROWS
-        if waits.all():
+        if n_waits == rows.size:
             return rows, _NO_ROWS, rows
-        if self.sampler is None:
-            return rows, _NO_ROWS, rows[waits]  # the model's own sample takes every row at once
+        if not self.path.splits_rows:
+            return rows, _NO_ROWS, rows[waits]  # the path takes every row at once
         return rows[waits], rows[~waits], rows[waits]
 
     def delayed(self, batch: Batch) -> bool:
-        d = batch.delayed
-        if isinstance(d, np.ndarray):
-            return bool(d[batch.sample].any())
-        return bool(d)
+        return bool(np.count_nonzero(batch.delayed[batch.sample]))
 
-    def prepare(self, rec: InFlight, inputs: Sequence[torch.Tensor]) -> None:
+    # -- forward stream ----------------------------------------------------------------------
+
+    def prepare(self, rec: InFlight, inputs: TokenInputs) -> None:
         fmap, state = self.fmap, rec.state
         assert fmap is not None
-        tokens, seg, prefix, rids, lens, sreq = inputs[:6]
         out = None
         if self.buckets is not None:
-            key = (state.n_rows, prefix.numel())
+            key = (state.n_rows, inputs.prefix_lens.numel())
             out = self._outs.get(key)
             if out is None:
                 dev = fmap.device
                 out = self._outs[key] = PreparedInputs(
-                    torch.zeros(key[0], dtype=tokens.dtype, device=dev),
+                    torch.zeros(key[0], dtype=inputs.tokens.dtype, device=dev),
                     torch.zeros(key[0], dtype=torch.int64, device=dev),
                     torch.zeros(key[1], dtype=torch.int64, device=dev),
                 )
         # The tensors come from a checked Batch (seg_lens >= 1, prefix_lens >= 0): no second check.
-        prepared = fmap.launch_prepare(tokens, seg, prefix, state.n_rows, out)
+        prepared = fmap.launch_prepare(
+            inputs.tokens, inputs.seg_starts, inputs.prefix_lens, state.n_rows, out
+        )
+        sreq = inputs.sample_reqs
         sample_rows = prepared.last_rows.index_select(0, sreq)
-        state.fwd = ForwardBatch(rec.step, *prepared, rids, lens, sreq, sample_rows, seg, state.host)
-        if self.sampler is not None:
-            assert state.splan is not None
-            if len(inputs) == 9:
-                state.late_dev, state.now_dev = inputs[6], inputs[7]
-            state.sstate = self.sampler.prepare(state.splan, inputs[-1])
-            self.sampler.observe(state.sstate, prepared.input_ids)
+        state.fwd = ForwardBatch(
+            rec.step,
+            *prepared,
+            inputs.req_ids,
+            inputs.seq_lens,
+            sreq,
+            sample_rows,
+            inputs.seg_starts,
+            state.host,
+        )
+        if self.samples:
+            state.late_dev, state.now_dev = inputs.late, inputs.now
+            state.sstate = self.path.prepare(state.splan, inputs.sampler_words, prepared.input_ids)
 
     def forward_ops(self, rec: InFlight) -> list[Op]:
-        state, model = rec.state, self.model
+        state = rec.state
         ops: list[Op] = []
-        release = getattr(model, "release", None)
+        release = getattr(self.model, "release", None)
         if state.ended.size and release is not None:
             ended = state.ended
             ops.append(("release", lambda: release(ended)))
+        ops += self.model_ops(rec)
+        if self.samples and state.split:
+            # Only the waiting rows wait: the others sample now, while the host builds the mask.
+            ops.append(("sample_now", lambda: self._sample_rows(rec, state.now_dev, None)))
+        return ops
+
+    def model_ops(self, rec: InFlight) -> list[Op]:
+        """The ops that run the model: one ``forward`` that leaves the logits in ``rec.state``."""
+        state, model = rec.state, self.model
 
         def forward() -> None:
             logits = model.forward(state.fwd)
@@ -214,29 +262,67 @@ class TokenStep(StepKind):
                 raise ValueError("forward must return logits (or what sample takes), got None")
             state.logits = logits
 
-        ops.append(("forward", forward))
-        if self.sampler is not None and state.late.size and state.now.size:
-            # Only the waiting rows wait: the others sample now, while the host builds the mask.
-            ops.append(("sample_now", lambda: self._sample_rows(rec, state.now_dev, None)))
-        return ops
+        return [("forward", forward)]
+
+    def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
+        self.take_mask(rec, mask)
+        fmap, state = self.fmap, rec.state
+        assert fmap is not None
+        return [("sample", lambda: self.sample(rec)), ("store", lambda: fmap.store(rec.out, state.sampled))]
+
+    def take_mask(self, rec: InFlight, mask: object) -> None:
+        """HOST: check a delayed step's mask (every row allows a token; the width, once the
+        vocab is known) and ready it for the stream (pinned, or an event after its producer)."""
+        if mask is None:
+            return
+        state = rec.state
+        reqs = state.host.req_ids[state.sample_reqs[state.mask_rows]]
+        vocab = self._vocab if self._vocab is not None else self.path.vocab
+        state.mask = check_mask(mask, reqs, rec.step, vocab)
+        if vocab is None and not state.mask.is_cuda:
+            # Not known before the first sample: rows that allow only padding bits (tokens
+            # past the vocab) are found on the stream, from this host tensor (no sync).
+            state.unchecked = reqs
+        if state.mask_rows.size < state.late.size:
+            state.mask = widen(state.mask, state.mask_rows, state.late.size)
+        assert self.fmap is not None
+        if not self.samples or self.fmap.device.type != "cuda":
+            return
+        if state.mask.is_cuda:
+            # Built on the caller's stream: the forward stream must wait for it.
+            state.mask_ready = torch.cuda.Event()
+            state.mask_ready.record()
+        else:
+            # Pinned (torch's caching host allocator keeps it until the copy ran): a truly
+            # async H2D copy, where pageable memory may make the host wait.
+            state.mask = state.mask.pin_memory()
+
+    def sample(self, rec: InFlight) -> None:
+        """FORWARD STREAM: the step's (late) rows with the mask, then the sampler's record."""
+        state = rec.state
+        mask_dev = None
+        if state.mask is not None:
+            if state.unchecked is not None:
+                vocab = int(check_logits(state.logits, state.n_sample, rec.step).shape[1])
+                check_width(state.mask, vocab, rec.step)
+                check_rows(state.mask, state.unchecked, rec.step, vocab)
+            if state.mask_ready is not None:
+                torch.cuda.current_stream(state.mask.device).wait_event(state.mask_ready)
+            assert self.fmap is not None
+            mask_dev = state.mask.to(self.fmap.device, non_blocking=True)
+        self._sample_rows(rec, state.late_dev if state.split else None, mask_dev)
+        self.path.record(state.sstate, state.sampled)
 
     def _sample_rows(self, rec: InFlight, rows: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-        """On the stream: sample ``rows`` (all when None) of the step with tfuture's sampler,
-        into ``state.sampled``; ``mask`` bool or packed int32 for those rows."""
-        state, sampler, n = rec.state, self.sampler, len(rec.out)
-        assert sampler is not None and state.logits is not None
+        """On the stream: sample ``rows`` (all when None) of the step into ``state.sampled``."""
+        state, n = rec.state, rec.state.n_sample
         logits = check_logits(state.logits, n, rec.step)
         self._vocab = int(logits.shape[1])
         if mask is not None:
             check_width(mask, self._vocab, rec.step)  # the host checks it once the vocab is known
         if rows is not None:
             logits = logits.index_select(0, rows)
-        bitmask = None
-        if mask is not None and mask.dtype == torch.bool:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        elif mask is not None:
-            bitmask = mask
-        tokens = sampler.sample(state.sstate, logits, rows, bitmask)
+        tokens = self.path.sample(state.sstate, state.fwd, logits, rows, mask)
         if rows is None:
             state.sampled = tokens
             return
@@ -244,61 +330,7 @@ class TokenStep(StepKind):
             state.sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
         state.sampled.index_copy_(0, rows, tokens)
 
-    def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
-        fmap, model, state, n = self.fmap, self.model, rec.state, len(rec.out)
-        assert fmap is not None
-        dev = fmap.device
-        mask_ready = None
-        unchecked: tuple[torch.Tensor, np.ndarray] | None = None
-        if mask is not None:
-            reqs = state.host.req_ids[state.sample_reqs[state.mask_rows]]
-            vocab = self._vocab if self._vocab is not None else getattr(self.sampler, "vocab", None)
-            state.mask = check_mask(mask, reqs, rec.step, vocab)
-            if vocab is None and not state.mask.is_cuda:
-                # Not known before the first sample: rows that allow only padding bits (tokens
-                # past the vocab) are found on the stream, from this host tensor (no sync).
-                unchecked = (state.mask, reqs)
-            if state.mask_rows.size < state.late.size:
-                state.mask = widen(state.mask, state.mask_rows, state.late.size)
-            if dev.type == "cuda":
-                if state.mask.is_cuda:
-                    # Built on the caller's stream: the forward stream must wait for it.
-                    mask_ready = torch.cuda.Event()
-                    mask_ready.record()
-                else:
-                    # Pinned (torch's caching host allocator keeps it until the copy ran): a truly
-                    # async H2D copy, where pageable memory may make the host wait.
-                    state.mask = state.mask.pin_memory()
-
-        def sample() -> None:
-            if unchecked is not None:
-                host_mask, reqs = unchecked
-                vocab = int(check_logits(state.logits, n, rec.step).shape[1])
-                check_width(host_mask, vocab, rec.step)
-                check_rows(host_mask, reqs, rec.step, vocab)
-            if mask_ready is not None:
-                torch.cuda.current_stream(dev).wait_event(mask_ready)
-            mask_dev = None if state.mask is None else state.mask.to(dev, non_blocking=True)
-            if self.sampler is not None:
-                self._sample_rows(rec, state.late_dev if state.now.size else None, mask_dev)
-                return
-            if mask_dev is not None:
-                vocab = self._vocab = int(check_logits(state.logits, n, rec.step).shape[1])
-                check_width(mask_dev, vocab, rec.step)
-                if mask_dev.dtype != torch.bool:
-                    mask_dev = unpack_bitmask(mask_dev, vocab)
-            tokens = model.sample(state.logits, state.fwd, mask_dev)
-            if not isinstance(tokens, torch.Tensor) or tokens.shape != (n,):
-                got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-                raise ValueError(f"sample must return [{n}] token ids, got {got}")
-            state.sampled = tokens.contiguous()
-
-        def store() -> None:
-            if self.sampler is not None:
-                self.sampler.record(state.sstate, state.sampled)
-            fmap.store(rec.out, state.sampled)
-
-        return [("sample", sample), ("store", store)]
+    # -- host, after copy_done ---------------------------------------------------------------
 
     def n_result(self, rec: InFlight) -> int:
         return len(rec.out)
@@ -313,8 +345,7 @@ class TokenStep(StepKind):
         return int(result.tokens.size)
 
     def close(self) -> None:
-        if self.sampler is not None:
-            self.sampler.unclaim(self)  # frees the history rows this run's requests held
+        self.path.close(self)
         close = getattr(self.model, "close", None)
         if close is not None:
             close()

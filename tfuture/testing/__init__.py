@@ -1,7 +1,9 @@
-"""Tools to test an overlap integration: toy models, a grammar, a scheduler, an equivalence check,
-and a tokenizer trained locally (``tiny_tokenizer``; needs the ``grammar`` extra when called)."""
+"""Tools to test an overlap integration: toy models, a grammar, seeded workloads, an equivalence
+check, and a byte-level BPE trained locally on a corpus you give (``train_bpe``; needs the
+``grammar`` extra when called). ``ContinuousBatcher`` and ``RequestSpec`` are product code
+(:mod:`tfuture.scheduler`), re-exported here for older imports."""
 
-from tfuture.testing.batcher import ContinuousBatcher, RequestSpec, random_workload
+from tfuture.scheduler import ContinuousBatcher, RequestSpec
 from tfuture.testing.equivalence import (
     EquivalenceReport,
     assert_equivalent,
@@ -9,9 +11,10 @@ from tfuture.testing.equivalence import (
     first_difference,
     run_workload,
 )
-from tfuture.testing.tokenizer import END_TOKEN, tiny_tokenizer
+from tfuture.testing.tokenizer import END_TOKEN, train_bpe
 from tfuture.testing.toy import ToyGrammar, ToyMatcher, ToyModel, device_work, greedy_sample
 from tfuture.testing.transformer import TinyTransformer
+from tfuture.testing.workload import random_workload
 
 __all__ = [
     "END_TOKEN",
@@ -29,5 +32,5 @@ __all__ = [
     "greedy_sample",
     "random_workload",
     "run_workload",
-    "tiny_tokenizer",
+    "train_bpe",
 ]

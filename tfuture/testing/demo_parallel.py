@@ -22,8 +22,8 @@ import torch
 from tfuture.core.future_map import FutureMap
 from tfuture.distributed.context import init_parallel
 from tfuture.distributed.runtime import ParallelRuntime
+from tfuture.scheduler import ContinuousBatcher, RequestSpec
 from tfuture.streams.stats import RunStats
-from tfuture.testing.batcher import ContinuousBatcher, RequestSpec
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
 
 __all__ = ["run_distributed_demo"]

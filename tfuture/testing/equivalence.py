@@ -12,9 +12,9 @@ from tfuture.core.batch import Model
 from tfuture.core.future_map import FutureMap
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
+from tfuture.scheduler import ContinuousBatcher, RequestSpec
 from tfuture.streams.backends import Delay
 from tfuture.streams.stats import RunStats
-from tfuture.testing.batcher import ContinuousBatcher, RequestSpec
 from tfuture.testing.toy import ToyGrammar
 
 

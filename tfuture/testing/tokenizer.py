@@ -1,40 +1,42 @@
-"""A small byte-level BPE tokenizer, trained locally (no download) on a corpus shipped here.
+"""A small byte-level BPE tokenizer, trained locally (no download) on a corpus the caller gives.
 
-    from tfuture.testing.tokenizer import END_TOKEN, tiny_tokenizer
-    tok = tiny_tokenizer()                       # a tokenizers.Tokenizer, trained once per process
+    from tfuture.testing.tokenizer import END_TOKEN, train_bpe
+    tok = train_bpe(["some text", '{"json": true}', ...])     # a tokenizers.Tokenizer
     eos = tok.token_to_id(END_TOKEN)             # the last id: tok.get_vocab_size() - 1
 
-The corpus (``data/corpus.txt``: English prose and JSON snippets) is read through a path
-relative to this module. Training is deterministic (a fixed corpus and merge count; the
-same vocabulary with 1 or 16 threads): every process gets the same ids. Byte-level:
-the 256 byte tokens come first, so every string can be encoded; the merges follow; the end
-token is added last, as a special token (never produced by encoding text).
+Training is deterministic (a fixed corpus and merge count; the same vocabulary with 1 or 16
+threads): every process gets the same ids. Byte-level: the 256 byte tokens come first, so every
+string can be encoded; the merges follow; the end token is added last, as a special token (never
+produced by encoding text). The tests train it on ``tests/data/corpus.txt`` (English prose and
+JSON snippets; ``tests/tiny_bpe.py``). This module imports nothing of tfuture or torch.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+__all__ = ["DEFAULT_MERGES", "END_TOKEN", "train_bpe"]
+
 END_TOKEN = "<|endoftext|>"
-CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 DEFAULT_MERGES = 320
 
 
-@functools.cache
-def tiny_tokenizer(merges: int = DEFAULT_MERGES) -> Tokenizer:
-    """The byte-level BPE with ``256 + merges`` tokens and :data:`END_TOKEN` (``257 + merges`` ids).
+def train_bpe(corpus: Iterable[str], merges: int = DEFAULT_MERGES) -> Tokenizer:
+    """The byte-level BPE with ``256 + merges`` tokens and :data:`END_TOKEN` (``257 + merges``
+    ids), trained on the strings of ``corpus`` (e.g. a text file's lines).
 
-    Cached: trained once per process and argument (well under a second). Raises ``ImportError``
-    without the ``tokenizers`` package (``pip install tfuture[grammar]``), ``ValueError`` for a
-    bad ``merges`` or when the corpus holds fewer distinct merges than asked for.
+    Raises ``ImportError`` without the ``tokenizers`` package (``pip install tfuture[grammar]``),
+    ``ValueError`` for a bad ``merges`` or when the corpus holds fewer distinct merges than asked
+    for.
     """
     if type(merges) is not int or not 0 <= merges <= 4096:
         raise ValueError(f"merges must be an int in [0, 4096], got {merges!r}")
+    if isinstance(corpus, str):
+        raise TypeError("corpus must be an iterable of strings (e.g. text.splitlines()), got one str")
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -50,11 +52,10 @@ def tiny_tokenizer(merges: int = DEFAULT_MERGES) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.read_text(encoding="utf-8").splitlines(), trainer=trainer)
+    tok.train_from_iterator(list(corpus), trainer=trainer)
     if tok.get_vocab_size() != 256 + merges:
         raise ValueError(
-            f"the corpus {CORPUS} holds {tok.get_vocab_size() - 256} merges of frequency >= 2, "
-            f"asked for {merges}"
+            f"the corpus holds {tok.get_vocab_size() - 256} merges of frequency >= 2, asked for {merges}"
         )
     tok.add_special_tokens([END_TOKEN])
     return tok

@@ -21,10 +21,10 @@ from tfuture.core.future_fields import Shape
 from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.kernels.spec import SpecInputs
 from tfuture.runtime import OverlapRuntime
+from tfuture.scheduler import RequestSpec
 from tfuture.steps.speculative import SpecBatch, SpecResult, SpecStep
 from tfuture.streams.backends import Delay
 from tfuture.streams.stats import RunStats
-from tfuture.testing.batcher import RequestSpec
 from tfuture.testing.equivalence import first_difference
 from tfuture.testing.toy import ToyModel
 
