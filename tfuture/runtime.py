@@ -61,7 +61,7 @@ class OverlapRuntime:
         buckets: pad every token step to these shapes (:class:`tfuture.steps.token.Buckets`),
             so a model can capture one CUDA graph per bucket; for a plain model only.
         sampler: a :class:`tfuture.sampling.Sampler` that samples every token step (per-request
-            parameters from ``Batch.sampling``, packed bitmasks, only grammar rows wait) instead
+            parameters admitted with ``Batch.params``, packed bitmasks, only grammar rows wait) instead
             of the model's ``sample``; a model without ``sample`` gets ``Sampler()``.
     """
 
@@ -109,6 +109,7 @@ class OverlapRuntime:
         self._inflight: list[InFlight] = []
         self._deferred: list[FutureIndices] = []
         self._host_spans: list[Span] = []
+        self._open = False  # a cut run's per-request state is kept for the next run
 
     @property
     def model(self) -> Any:
@@ -120,13 +121,19 @@ class OverlapRuntime:
         ``scheduler``: a :class:`tfuture.core.batch.Scheduler` for token steps, or the scheduler
         protocol of the step kind (:class:`tfuture.steps.speculative.SpecScheduler`).
 
+        ``max_steps``: launch at most that many steps (the ones in flight are finished). The
+        requests of a run cut this way (or whose scheduler says ``cut``) may still be live: their
+        per-request state (sampling parameters, penalty history, the model's KV rows) is kept,
+        and a later ``run`` on this runtime continues them; :meth:`close` gives it up.
+
         An exception anywhere (forward, sample, a scheduler hook) stops the loop: the stream is
-        drained and stopped, every slot the runtime holds is released, and the exception
-        re-raises here with its original traceback.
+        drained and stopped, every slot the runtime holds is released, every request's state is
+        freed, and the exception re-raises here with its original traceback.
         """
         if max_steps is not None:
             max_steps = as_count("max_steps", max_steps)
         _claim(self.fmap)
+        user_scheduler = scheduler
         stats = RunStats(mode="overlap" if self.overlap else "sync")
         t0 = time.perf_counter()
         stream: ForwardStream | None = None
@@ -139,10 +146,15 @@ class OverlapRuntime:
             self._in_ring.reset()
             self._out_ring.reset()
             self.fmap.device_exec = lambda fn: stream.submit("debug", -1, fn)
-            self._loop(scheduler, max_steps, stats)
+            cut = self._loop(scheduler, max_steps, stats) or bool(getattr(user_scheduler, "cut", False))
             self.fmap.release_live(self._deferred)
             stream.close()
-            self.kind.close()
+            if cut:
+                # Requests may still be live: their state (parameters, penalty history, KV rows)
+                # stays for the next run of this runtime (close() gives it up).
+                self._open = True
+            else:
+                self.close()
         except BaseException:
             self._abort()
             raise
@@ -157,10 +169,21 @@ class OverlapRuntime:
             _unclaim(self.fmap)
         return stats
 
-    def _loop(self, scheduler: Scheduler, max_steps: int | None, stats: RunStats) -> None:
-        """The one loop: launch step N+1, then finish step N (sync: finish each step at once)."""
+    def close(self) -> None:
+        """Free the per-request state a run cut by ``max_steps`` kept for its continuation (the
+        sampler's rows, the model's ``close()``); a run that ends otherwise does this itself."""
+        self._open = False
+        self.kind.close()
+
+    def _loop(self, scheduler: Scheduler, max_steps: int | None, stats: RunStats) -> bool:
+        """The one loop: launch step N+1, then finish step N (sync: finish each step at once).
+        True when ``max_steps`` stopped it (the scheduler may still have work)."""
         prev: InFlight | None = None
-        while max_steps is None or stats.steps < max_steps:
+        cut = False
+        while True:
+            if max_steps is not None and stats.steps >= max_steps:
+                cut = True
+                break
             batch = self._host("schedule", self._step, scheduler.schedule)
             if batch is None:
                 if prev is None:
@@ -180,6 +203,7 @@ class OverlapRuntime:
                 prev = None
         if prev is not None:
             self._finish(prev, scheduler, stats)
+        return cut
 
     def _delayed_sample(self, scheduler: Scheduler, rec: InFlight) -> None:
         """Build the mask on the host (the previous step is processed), then launch the sample."""
@@ -316,6 +340,7 @@ class OverlapRuntime:
         self.fmap.release_live(held + self._deferred)
         self._inflight = []
         self._deferred = []
+        self._open = False
         try:
             self.kind.close()
         except Exception:

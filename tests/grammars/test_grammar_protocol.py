@@ -12,7 +12,7 @@ from tfuture import FutureMap
 from tfuture.core.batch import StepResult
 from tfuture.grammars import Grammar, Matcher, build_bitmask, check_grammar, full_bitmask, mask_requests
 from tfuture.kernels.bitmask import unpack_bitmask
-from tfuture.sampling import PARAM_WORDS, SamplingParams
+from tfuture.sampling import SamplingParams
 from tfuture.testing import ContinuousBatcher, RequestSpec, ToyGrammar
 
 VOCAB = 70  # not a multiple of 32: the last word is partly padding
@@ -133,16 +133,16 @@ def test_a_prefill_chunk_that_does_not_sample_is_not_a_mask_row():
     assert sched.build_mask(batch).shape == (1, 3)
 
 
-def test_sampling_rows_are_packed_once_per_request():
+def test_sampling_params_go_out_once_with_the_first_step():
     fmap = FutureMap(16, device="cpu")
     hot = SamplingParams(temperature=0.7, top_k=5, seed=11)
     plain = specs([False, False, False])
     plain[1] = dataclasses.replace(plain[1], params=hot)
     batch = ContinuousBatcher(plain, fmap).schedule()
-    assert batch.sampling.shape == (3, PARAM_WORDS) and batch.sampling.dtype == np.int64
-    assert (batch.sampling[1] == hot.pack()).all()
-    assert (batch.sampling[[0, 2]] == SamplingParams().pack()).all()
-    assert ContinuousBatcher(specs([False]), fmap).schedule().sampling is None
+    # The others sample greedily: nothing to send. (A second admission of a live id raises in
+    # the Sampler, so every runtime test with params checks that they go out once.)
+    assert batch.params == {plain[1].rid: hot}
+    assert ContinuousBatcher(specs([False]), fmap).schedule().params is None
 
 
 def test_a_token_the_grammar_rejects_is_a_loud_error():

@@ -206,9 +206,9 @@ def assert_refused(batch: Batch, mask: object, match: str, sampler: Sampler | No
     assert not worker_threads()
 
 
-def test_batch_sampling_with_the_models_own_sample_is_refused() -> None:
-    batch = two_requests(sampling=pack_params([SamplingParams(temperature=1.0)] * 2))
-    assert_refused(batch, None, "Batch.sampling needs tfuture's sampler")
+def test_batch_params_with_the_models_own_sample_is_refused() -> None:
+    batch = two_requests(params={7: SamplingParams(temperature=1.0)})
+    assert_refused(batch, None, "Batch.params needs tfuture's sampler")
 
 
 def test_a_bitmask_row_that_allows_nothing_names_the_request_and_step() -> None:
@@ -233,19 +233,43 @@ def test_a_mask_of_the_wrong_shape_or_dtype_is_refused(mask, match) -> None:
 
 
 def test_penalties_without_history_rows_are_refused() -> None:
-    batch = two_requests(sampling=pack_params([SamplingParams(), PENALISED]))
+    batch = two_requests(params={8: PENALISED})
     assert_refused(batch, None, "request 8 asks for penalties", Sampler())
 
 
-def test_batch_checks_delayed_and_sampling() -> None:
+def test_batch_checks_delayed_and_params() -> None:
     with pytest.raises(TypeError, match=r"Batch\.delayed must be a bool"):
         two_requests(delayed=np.array([1, 0]))
-    with pytest.raises(ValueError, match=r"shape \(2, "):
-        two_requests(sampling=pack_params([SamplingParams()]))
-    table = pack_params([SamplingParams(), SamplingParams()])
-    table[1, 0] = np.float64(-1.0).view(np.int64)
-    with pytest.raises(ValueError, match="row 1: temperature"):
-        two_requests(sampling=table)
+    with pytest.raises(TypeError, match=r"Batch\.params must be a dict"):
+        two_requests(params=pack_params([SamplingParams()]))
+    with pytest.raises(TypeError, match=r"Batch\.params\[7\] must be a SamplingParams"):
+        two_requests(params={7: {"temperature": 1.0}})
+    with pytest.raises(ValueError, match="names request 9, which is not in this batch"):
+        two_requests(params={9: SamplingParams()})
+
+
+def test_a_live_request_id_admitted_again_is_refused() -> None:
+    """Parameters belong to a request from its first step until it ends: a second admission of
+    a live id (two requests sharing an id) is refused, naming it."""
+
+    class Twice:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def schedule(self) -> Batch | None:
+            self.n += 1
+            return two_requests(params={7: SamplingParams(temperature=1.0)}) if self.n <= 2 else None
+
+        def process(self, result) -> None:
+            pass
+
+        def build_mask(self, batch: Batch) -> None:
+            return None
+
+    fmap = FutureMap(8, device="cpu")
+    with pytest.raises(ValueError, match="request id 7 already holds row"):
+        OverlapRuntime(ToyModel(vocab=VOCAB), fmap, sampler=Sampler()).run(Twice())
+    assert fmap.in_use == 0
 
 
 def test_a_sampler_is_for_token_steps_only() -> None:

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from tfuture.core.params import check_packed_params
+from tfuture.core.params import SamplingParams
 from tfuture.core.slots import FutureIndices
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -38,6 +38,25 @@ def check_delayed(d: object, n: int) -> np.ndarray:
     return d
 
 
+def check_admitted(params: object, req_ids: np.ndarray) -> None:
+    """Raise unless ``params`` maps request ids of ``req_ids`` to :class:`SamplingParams`."""
+    if not isinstance(params, dict):
+        raise TypeError(
+            f"Batch.params must be a dict of request id -> SamplingParams, got {type(params).__name__}"
+        )
+    for rid, p in params.items():
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"Batch.params[{rid!r}] must be a SamplingParams, got {type(p).__name__}")
+        if isinstance(rid, bool) or not isinstance(rid, int | np.integer):
+            raise TypeError(f"Batch.params keys must be int request ids, got {type(rid).__name__} {rid!r}")
+    missing = np.setdiff1d(np.fromiter(params, dtype=np.int64, count=len(params)), req_ids)
+    if missing.size:
+        raise ValueError(
+            f"Batch.params names request {int(missing[0])}, which is not in this batch's req_ids: a "
+            "request's parameters come with its first step"
+        )
+
+
 def check_consumes(owner: str, consumes: object) -> None:
     """Raise unless ``consumes`` is a list of ``FutureIndices``."""
     if not isinstance(consumes, list) or not all(isinstance(h, FutureIndices) for h in consumes):
@@ -65,9 +84,9 @@ class Batch:
             the previous step's results were processed (a grammar); a single bool given at
             construction applies to every request and is stored as such an array. Entries of
             requests that do not sample are ignored. Assign a ``[n_reqs]`` bool array to change it.
-        sampling: ``[n_reqs, PARAM_WORDS]`` int64, every request's packed
-            :class:`tfuture.sampling.SamplingParams` (``pack_params``), or ``None`` (greedy, or the
-            model's own ``sample``). It reaches the device in the step's one H2D copy.
+        params: ``{req_id: SamplingParams}`` of the requests admitted in this step (their first
+            step), or None. A request keeps its parameters until it ends (:attr:`ended`); a
+            request never given any samples greedily. Needs tfuture's sampler.
         ended: request ids that appear in no step from this one on (finished or aborted); the
             model's optional ``release`` hears them on the forward stream before this step.
         tag: anything the scheduler wants back in the :class:`StepResult`.
@@ -86,7 +105,7 @@ class Batch:
     out: FutureIndices | None = None
     step: int = -1
     ended: np.ndarray = field(default_factory=lambda: _NO_IDS)
-    sampling: np.ndarray | None = None
+    params: dict[int, SamplingParams] | None = None
 
     def __post_init__(self) -> None:
         check_consumes("Batch", self.consumes)
@@ -103,8 +122,8 @@ class Batch:
         if n and self.prefix_lens.min() < 0:
             raise ValueError(f"Batch.prefix_lens must be >= 0, got min {self.prefix_lens.min()}")
         self.delayed = check_delayed(self.delayed, n)
-        if self.sampling is not None:
-            self.sampling = check_packed_params(self.sampling, n)
+        if self.params is not None:
+            check_admitted(self.params, self.req_ids)
         if self.ended.size and n:
             # An ended request's state (KV rows, penalty history) is freed before this step runs.
             live = np.flatnonzero(np.isin(self.ended, self.req_ids))
@@ -179,7 +198,7 @@ class Model(Protocol):
 
     ``sample`` is optional: without it (or with ``OverlapRuntime(..., sampler=...)``) the runtime
     samples with :class:`tfuture.sampling.Sampler` (per-request parameters from
-    :attr:`Batch.sampling`, packed bitmasks applied on the device).
+    :attr:`Batch.params`, packed bitmasks applied on the device).
 
     Optional, called when present: ``release(req_ids: np.ndarray)`` on the forward stream after
     the last forward of those requests (the extra step included), when the scheduler says they

@@ -104,6 +104,11 @@ class MicroBatchScheduler:
             return MicroBatch(None)
         return None
 
+    @property
+    def cut(self) -> bool:
+        """Whether ``max_micro`` stopped the groups (they may still have work)."""
+        return self.max_micro is not None and self.micro_batches >= self.max_micro
+
     def process(self, result: MicroResult) -> None:
         if result.result is not None:
             self.groups[result.group].process(result.result)

@@ -6,7 +6,7 @@ outputs). Row 0 is all zero and never written (the row of requests without penal
 sampling row can take the same ops); row ``rows + 1`` takes marks that went stale before the
 tables existed and is never read. The tables are made once the vocab is known (the first
 logits, or ``Sampler(vocab_size=)``); ``seen`` marks made before are kept until then. Which
-request owns which row is the host's business (:class:`tfuture.sampling.plan.HistoryRows`).
+request owns which row is the host's business (a :class:`tfuture.core.rows.RowAllocator`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from tfuture.core.params import (
     TEMPERATURE,
     TOP_K,
 )
+from tfuture.core.rows import RowAllocator, RowsFull
 from tfuture.sampling.draws import draws_unchecked
 
 R_TEMP, R_TOP_P, R_MIN_P, R_FREQ, R_PRES, R_REP, R_DRAW, R_TOP_K, R_HIST = range(9)
@@ -79,58 +80,6 @@ class SamplerPlan(NamedTuple):
         return self.words[end - self.sizes[4] : end]
 
 
-class HistoryRows:
-    """Host allocator of device history rows ``1..n`` (row 0 is the shared all-zero row)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.free: list[int] = list(range(n, 0, -1))  # pop() hands out row 1 first
-        self.held: dict[int, int] = {}
-
-    def release(self, req_ids: np.ndarray) -> None:
-        """Free the rows of requests that ended (ids without a row are ignored)."""
-        held, free = self.held, self.free
-        for rid in req_ids.tolist():
-            row = held.pop(rid, None)
-            if row is not None:
-                free.append(row)
-
-    def assign(
-        self, req_ids: np.ndarray, params: np.ndarray, which: np.ndarray
-    ) -> tuple[np.ndarray, list[int]]:
-        """Each request's row (a fresh one if it has none yet) and the fresh rows, in order.
-
-        ``req_ids``: the requests with penalties; ``params[which[i]]`` is request ``i``'s packed
-        row (read only for the error message).
-
-        On exhaustion nothing is assigned and a ``ValueError`` names the request and the limit.
-        """
-        held, free = self.held, self.free
-        ids = req_ids.tolist()
-        rows = [held.get(rid, 0) for rid in ids]  # rows are >= 1: 0 is "none yet"
-        if 0 not in rows:  # steady state: every request holds its row already
-            return np.array(rows, dtype=np.int64), []
-        rows = []
-        new: list[int] = []
-        new_ids: list[int] = []
-        for i, rid in enumerate(ids):
-            row = held.get(rid)
-            if row is None:
-                if not free:
-                    for done in reversed(new_ids):  # undo this call: all or nothing
-                        free.append(held.pop(done))
-                    raise ValueError(_exhausted(self.n, rid, params[which[i]]))
-                row = held[rid] = free.pop()
-                new.append(row)
-                new_ids.append(rid)
-            rows.append(row)
-        return np.array(rows, dtype=np.int64), new
-
-    def reset(self) -> None:
-        self.free = list(range(self.n, 0, -1))
-        self.held = {}
-
-
 def _exhausted(n: int, rid: int, packed: np.ndarray) -> str:
     f = packed[:N_FLOATS].view(np.float64).tolist()
     asks = (
@@ -154,7 +103,7 @@ def greedy_plan(n_sample: int, step: int) -> SamplerPlan:
 
 
 def build_plan(
-    rows: HistoryRows,
+    rows: RowAllocator,
     params: np.ndarray | None,
     req_ids: np.ndarray,
     seg_lens: np.ndarray,
@@ -187,7 +136,11 @@ def build_plan(
             (floats[:, FREQUENCY] != 0) | (floats[:, PRESENCE] != 0) | (floats[:, REPETITION] != 1)
         )
         hist = np.zeros(n_reqs, dtype=np.int64)
-        hist[pen], new = rows.assign(req_ids[pen], params, pen)
+        try:
+            hist[pen], new = rows.rows_or_take(req_ids[pen])
+        except RowsFull as full:
+            at = int(pen[int(np.flatnonzero(req_ids[pen] == full.rid)[0])])
+            raise ValueError(_exhausted(rows.n, full.rid, params[at])) from None
 
     sp = params[sample_reqs]  # [n_sample, PARAM_WORDS], a copy
     fs, k = sp[:, :N_FLOATS].view(np.float64), sp[:, TOP_K]

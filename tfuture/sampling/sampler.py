@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from tfuture.core.checks import as_count
+from tfuture.core.params import PARAM_WORDS, SamplingParams
+from tfuture.core.rows import RowAllocator
 from tfuture.kernels.bitmask import launch_apply_token_bitmask_
 from tfuture.sampling.history import TokenHistory
 from tfuture.sampling.plan import (
@@ -27,7 +29,6 @@ from tfuture.sampling.plan import (
     R_TOP_P,
     ROW_FLOATS,
     ROW_WORDS,
-    HistoryRows,
     SamplerPlan,
     build_plan,
 )
@@ -38,6 +39,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 _CLAIM_LOCK = threading.Lock()
+_PARAM_ROWS = 64  # initial rows of the admitted-parameter table (it doubles when full)
 
 
 class SamplerState(NamedTuple):
@@ -73,7 +75,11 @@ class Sampler:
         self.history_rows = as_count("Sampler(history_rows=)", history_rows)
         if vocab_size is not None and as_count("Sampler(vocab_size=)", vocab_size) < 1:
             raise ValueError(f"Sampler(vocab_size=) must be >= 1, got {vocab_size}")
-        self._rows = HistoryRows(self.history_rows)  # host only
+        self._rows = RowAllocator(self.history_rows, first=1)  # history rows (host bookkeeping)
+        # Admitted requests' packed parameters, by row (host); row 0: the defaults (greedy).
+        self._param_rows = RowAllocator(_PARAM_ROWS, first=1)
+        self._params = np.zeros((_PARAM_ROWS + 1, PARAM_WORDS), dtype=np.int64)
+        self._params[0] = SamplingParams().pack()
         # Forward-stream state from here on.
         self.vocab: int | None = vocab_size
         self.history = TokenHistory(self.history_rows)
@@ -146,10 +152,47 @@ class Sampler:
         """
         return build_plan(self._rows, params, req_ids, seg_lens, prefix_lens, sample_reqs, ended, step)
 
+    def admit(self, params: dict[int, SamplingParams]) -> None:
+        """HOST: requests that start now, with their parameters, packed once into the request's
+        row of the parameter table (requests never admitted sample greedily, without
+        penalties). A request keeps its parameters until it ends (``ended`` of a later plan).
+        An id that is already live raises ``ValueError`` (request ids are unique while live)."""
+        if not params:
+            return
+        rows = self._param_rows
+        if rows.n_free < len(params):
+            extra = max(rows.n, len(params))
+            rows.grow(extra)
+            self._params = np.concatenate([self._params, np.zeros((extra, PARAM_WORDS), dtype=np.int64)])
+        ids = list(params)
+        for rid, row in zip(ids, rows.take(ids), strict=True):
+            self._params[row] = params[rid].pack()
+
+    def plan_step(
+        self,
+        admitted: dict[int, SamplingParams] | None,
+        req_ids: np.ndarray,
+        seg_lens: np.ndarray,
+        prefix_lens: np.ndarray,
+        sample_reqs: np.ndarray,
+        ended: np.ndarray,
+        step: int,
+    ) -> SamplerPlan:
+        """HOST: :meth:`plan` with the parameters of the requests admitted now (``admitted``,
+        see :meth:`admit`) or earlier; ``ended`` requests give their rows back first."""
+        rows = self._param_rows
+        if ended.size and rows.held:
+            rows.release(ended)
+        if admitted:
+            self.admit(admitted)
+        params = self._params[rows.rows(req_ids, default=0)] if rows.held else None
+        return build_plan(self._rows, params, req_ids, seg_lens, prefix_lens, sample_reqs, ended, step)
+
     def reset(self) -> None:
-        """HOST, after a run (the stream drained): free every history row. The tables stay
-        allocated; a row is zeroed when it is assigned again."""
+        """HOST, after a run (the stream drained): free every history and parameter row. The
+        tables stay allocated; a history row is zeroed when it is assigned again."""
         self._rows.reset()
+        self._param_rows.reset()
         self.history.forget_pending()
 
     @property

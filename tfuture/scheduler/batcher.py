@@ -10,7 +10,8 @@ Structured output: a grammar request keeps one matcher (:class:`tfuture.grammars
 from its grammar; :meth:`ContinuousBatcher.build_mask` fills a packed int32 bitmask row per
 delayed request, :meth:`ContinuousBatcher.process` feeds the matcher each sampled token, and
 the request finishes when its matcher terminates. Per-request sampling parameters
-(:class:`tfuture.sampling.SamplingParams`) travel as packed rows in ``Batch.sampling``.
+(:class:`tfuture.sampling.SamplingParams`) go to the runtime once, in ``Batch.params`` of the
+request's first step; its end is reported in ``Batch.ended``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import numpy as np
 
 from tfuture.core.batch import Batch, StepResult
 from tfuture.core.future_map import FutureIndices, FutureMap
+from tfuture.core.params import SamplingParams
 from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests
-from tfuture.scheduler.request import RequestSpec, default_params_row, grammar_vocab
+from tfuture.scheduler.request import RequestSpec, check_params, grammar_vocab
 
 __all__ = ["DELAYS", "ContinuousBatcher", "RequestSpec", "spin"]
 
 DELAYS = ("rows", "batch")
-_NO_ROW = np.empty(0, dtype=np.int64)  # a request's sampling row when no request has params
 
 
 def spin(seconds: float) -> None:
@@ -48,7 +49,7 @@ class _Req:
     n_pending: int = 0  # launched but unprocessed sampled tokens
     finished: bool = False
     matcher: Matcher | None = None  # a grammar request's position in its grammar
-    params_row: np.ndarray = field(default_factory=lambda: _NO_ROW)  # packed SamplingParams
+    admitted: bool = False  # its parameters went out with its first step
     state: int = 0  # free for subclasses (a grammar state kept by hand)
 
     @property
@@ -82,9 +83,8 @@ class ContinuousBatcher:
     requests' samples wait for their masks: ``Batch.delayed`` is a bool array). ``"batch"`` is
     the default because on an H200 splitting a step's sample in two cost about 10% more than it
     saved at 50% grammar requests (``perf/results/h200/``, ``bench_grammar_overlap``), while on
-    the CPU worker "rows" gained about 10% (``perf/results/cpu/``). When any request has
-    ``params``, ``Batch.sampling`` holds every batch request's packed
-    :class:`tfuture.sampling.SamplingParams` row (defaults where None).
+    the CPU worker "rows" gained about 10% (``perf/results/cpu/``). A request's ``params``
+    go out once, in ``Batch.params`` of its first step.
     ``history_rows``: the runtime Sampler's ``history_rows``; requests with penalties wait for
     admission while that many run (back-pressure), instead of failing the run for want of a row.
     """
@@ -111,7 +111,7 @@ class ContinuousBatcher:
             raise ValueError(f"delay must be one of {DELAYS}, got {delay!r}")
         self.fmap, self.grammar, self.mask, self.delay = fmap, grammar, mask, delay
         self.vocab = grammar_vocab(specs, grammar)
-        self._default_row = default_params_row(specs)
+        check_params(specs)
         if history_rows is not None and history_rows < 1:
             raise ValueError(f"history_rows must be None or >= 1, got {history_rows}")
         self.history_rows = history_rows
@@ -135,8 +135,6 @@ class ContinuousBatcher:
             grammar = self.grammar if spec.grammar is True else spec.grammar
             assert grammar is not None  # checked in __init__
             req.matcher = grammar.matcher()
-        if self._default_row is not None:
-            req.params_row = self._default_row if spec.params is None else spec.params.pack()
         return req
 
     def schedule(self) -> Batch | None:
@@ -248,7 +246,7 @@ class ContinuousBatcher:
             tag=[r for r, _, s in rows if s],
             ended=np.asarray(self._ended, dtype=np.int64),
             delayed=self._delayed(rows, sample_mask),
-            sampling=self._sampling(rows),
+            params=self._admitted(rows),
         )
         self._ended = []
         for row, r in enumerate(batch.tag):
@@ -267,11 +265,16 @@ class ContinuousBatcher:
             return True
         return grammar
 
-    def _sampling(self, rows: list[tuple[_Req, int, bool]]) -> np.ndarray | None:
-        """``Batch.sampling``: ``[n_reqs, PARAM_WORDS]`` int64 when any request has params, else None."""
-        if self._default_row is None:
-            return None
-        return np.stack([r.params_row for r, _, _ in rows])
+    def _admitted(self, rows: list[tuple[_Req, int, bool]]) -> dict[int, SamplingParams] | None:
+        """``Batch.params``: the parameters of requests in their first step (None if none)."""
+        params = None
+        for r, _, _ in rows:
+            if not r.admitted:
+                r.admitted = True
+                if r.spec.params is not None:
+                    params = params or {}
+                    params[r.spec.rid] = r.spec.params
+        return params
 
     def process(self, result: StepResult) -> None:
         if self.host_work_s > 0:

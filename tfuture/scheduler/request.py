@@ -10,7 +10,7 @@ import numpy as np
 from tfuture.core.params import SamplingParams
 from tfuture.grammars.base import Grammar, shared_vocab
 
-__all__ = ["RequestSpec", "default_params_row", "grammar_vocab"]
+__all__ = ["RequestSpec", "check_params", "grammar_vocab"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +38,9 @@ def grammar_vocab(specs: list[RequestSpec], grammar: Grammar | None) -> int | No
     return shared_vocab(named)
 
 
-def default_params_row(specs: list[RequestSpec]) -> np.ndarray | None:
-    """The packed default SamplingParams row when any request has params, else None."""
+def check_params(specs: list[RequestSpec]) -> None:
+    """Raise ``TypeError`` unless every request's ``params`` is a SamplingParams or None."""
     for s in specs:
         if s.params is not None and not isinstance(s.params, SamplingParams):
             got = type(s.params).__name__
             raise TypeError(f"request {s.rid}: params must be a SamplingParams or None, got {got}")
-    return None if all(s.params is None for s in specs) else SamplingParams().pack()

@@ -66,7 +66,7 @@ class SamplePath(ABC):
 
 
 class SamplerPath(SamplePath):
-    """tfuture's :class:`Sampler`: parameters from :attr:`Batch.sampling`, any row subset."""
+    """tfuture's :class:`Sampler`: parameters admitted with :attr:`Batch.params`, any row subset."""
 
     splits_rows = True
 
@@ -79,8 +79,8 @@ class SamplerPath(SamplePath):
 
     def plan(self, owner: object, batch: Batch, sample_reqs: np.ndarray) -> SamplerPlan:
         self.sampler.claim(owner)
-        return self.sampler.plan(
-            batch.sampling,
+        return self.sampler.plan_step(
+            batch.params,
             batch.req_ids,
             batch.seg_lens,
             batch.prefix_lens,
@@ -120,9 +120,9 @@ class ModelSamplePath(SamplePath):
         self.model_sample = sample
 
     def plan(self, owner: object, batch: Batch, sample_reqs: np.ndarray) -> SamplerPlan:
-        if batch.sampling is not None:
+        if batch.params:
             raise ValueError(
-                "Batch.sampling needs tfuture's sampler, but the model samples itself: pass "
+                "Batch.params needs tfuture's sampler, but the model samples itself: pass "
                 "OverlapRuntime(..., sampler=Sampler()) (or give the model no sample method)"
             )
         return greedy_plan(int(sample_reqs.size), batch.step)
