@@ -101,6 +101,16 @@ def test_bad_layouts_raise_before_any_group(kw: dict[str, Any], match: str) -> N
         init_parallel(**kw)
 
 
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 1e20, -1.0])
+def test_a_timeout_that_no_process_group_takes_raises_naming_it(timeout_s: float) -> None:
+    # inf and 1e20 used to raise an OverflowError from datetime.timedelta, naming nothing.
+    with pytest.raises(ValueError, match=r"timeout_s must be > 0 and at most 1000000000 seconds"):
+        init_parallel(timeout_s=timeout_s)
+    for bad in ("60", True, None):
+        with pytest.raises(TypeError, match="timeout_s must be a number of seconds, got"):
+            init_parallel(timeout_s=bad)  # type: ignore[arg-type]
+
+
 def test_runtime_argument_errors(ctx: ParallelContext) -> None:
     model, fmap = ParallelTransformer(ctx=ctx, **MODEL), FutureMap(16, device="cpu")
     with pytest.raises(TypeError, match="ctx must be a ParallelContext, got dict"):

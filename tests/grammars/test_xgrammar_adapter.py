@@ -111,3 +111,26 @@ def test_without_xgrammar_the_error_says_how_to_install(monkeypatch, tok):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
     with pytest.raises(ImportError, match=r"pip install tfuture\[grammar\]"):
         XGrammarCompiler(tok)
+
+
+def _hf_tokenizer(tok):
+    transformers = pytest.importorskip("transformers")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=END_TOKEN)
+
+
+@pytest.mark.parametrize("kind", ["tokenizers", "transformers"])
+def test_a_vocab_size_below_the_tokenizers_or_a_stop_id_outside_it_is_refused(tok, kind):
+    # Both used to be dropped silently: the grammar could never stop, and a row allowed no
+    # token several steps later.
+    t = tok if kind == "tokenizers" else _hf_tokenizer(tok)
+    n = tok.get_vocab_size()
+    with pytest.raises(
+        ValueError, match=rf"vocab_size=100 is smaller than the tokenizer's vocabulary \({n} ids\)"
+    ):
+        XGrammarCompiler(t, vocab_size=100)
+    with pytest.raises(ValueError, match=rf"stop_token_ids \[5000\] lie outside the vocabulary: .* < {n}"):
+        XGrammarCompiler(t, stop_token_ids=[5000])
+    with pytest.raises(ValueError, match=r"stop_token_ids \[700\] lie outside .* < 700 \(vocab_size\)"):
+        XGrammarCompiler(t, vocab_size=700, stop_token_ids=[1, 700])
+    # A stop id in the padding of a wider lm_head is fine (the model may emit it).
+    assert XGrammarCompiler(t, vocab_size=700, stop_token_ids=[699]).stop_token_ids == [699]

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import datetime
 import gc
+import numbers
 import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -176,8 +178,7 @@ def init_parallel(
     tp, pp = as_count("tp", tp), as_count("pp", pp)
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    timeout_s = _check_timeout(timeout_s)
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     if world_size is None:
@@ -229,6 +230,23 @@ def init_parallel(
         ctx.close()
         raise
     return ctx
+
+
+# The process groups take a timedelta (at most 999,999,999 days) that torch turns into int64
+# milliseconds: a bound far past any real wait, named in the error instead of an OverflowError.
+MAX_TIMEOUT_S = 10**9
+
+
+def _check_timeout(timeout_s: object) -> float:
+    """``timeout_s`` as a float in ``(0, MAX_TIMEOUT_S]``, else a ``TypeError``/``ValueError`` naming it."""
+    if isinstance(timeout_s, bool | np.bool_) or not isinstance(timeout_s, numbers.Real):
+        raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+    if not 0 < float(timeout_s) <= MAX_TIMEOUT_S:  # False for nan and inf too
+        raise ValueError(
+            f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S} seconds (a process group needs a finite "
+            f"timeout), got {timeout_s}"
+        )
+    return float(timeout_s)
 
 
 def _agree_on_layout(store: Any, rank: int, world: int, tp: int, pp: int, timeout_s: float) -> None:

@@ -46,6 +46,25 @@ def _stop_ids(stop_token_ids: int | Sequence[int] | None) -> list[int] | None:
     return [int(t) for t in ids]
 
 
+def _check_sizes(n_tokenizer: int, vocab_size: int | None, stops: list[int] | None) -> None:
+    """Raise unless ``vocab_size`` covers the tokenizer's ``n_tokenizer`` ids and every stop id
+    lies below the vocabulary (xgrammar would drop the others silently, and a grammar that can
+    never stop leaves a request with a mask that allows no token some steps later)."""
+    if vocab_size is not None and vocab_size < n_tokenizer:
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the tokenizer's vocabulary ({n_tokenizer} ids): "
+            "vocab_size is the model's logits width, which covers every token id (a padded lm_head "
+            "may be wider, never narrower)"
+        )
+    size = n_tokenizer if vocab_size is None else vocab_size
+    bad = [t for t in stops or () if t >= size]
+    if bad:
+        raise ValueError(
+            f"stop_token_ids {bad} lie outside the vocabulary: token ids must be < {size} "
+            f"({'vocab_size' if vocab_size is not None else 'the tokenizer size'})"
+        )
+
+
 def _byte_level_prefix_space(tokenizer: Any) -> bool:
     """``add_prefix_space`` of a byte-level ``tokenizers.Tokenizer``; ValueError for another kind."""
     spec = json.loads(tokenizer.to_str())
@@ -87,6 +106,7 @@ def tokenizer_info(
             raise ValueError(
                 f"stop_token_ids {stops} do not match the TokenizerInfo's {tokenizer.stop_token_ids}"
             )
+        _check_sizes(tokenizer.vocab_size, None, list(tokenizer.stop_token_ids))
         return tokenizer
     if not _is_tokenizers_tokenizer(tokenizer):
         if not callable(getattr(tokenizer, "get_vocab", None)):
@@ -94,10 +114,16 @@ def tokenizer_info(
                 "tokenizer must be a transformers tokenizer, a tokenizers.Tokenizer or an "
                 f"xgrammar.TokenizerInfo, got {type(tokenizer).__name__}"
             )
-        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        ids = tokenizer.get_vocab().values()
+        _check_sizes(max(ids) + 1 if ids else 0, vocab_size, stops)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+        _check_sizes(info.vocab_size, None, list(info.stop_token_ids))
+        return info
     prefix_space = _byte_level_prefix_space(tokenizer)
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    size = vocab_size or max(vocab.values()) + 1
+    n_tokenizer = max(vocab.values()) + 1 if vocab else 0
+    _check_sizes(n_tokenizer, vocab_size, stops)
+    size = vocab_size or n_tokenizer
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     if stops is None:
         if not special:
@@ -156,8 +182,10 @@ class XGrammarCompiler:
     Args:
         tokenizer: a transformers tokenizer, a byte-level ``tokenizers.Tokenizer`` or an
             ``xgrammar.TokenizerInfo``.
-        vocab_size: the model's logits width (default: the tokenizer's vocabulary size).
-        stop_token_ids: the tokens that end a request (default: the tokenizer's end token).
+        vocab_size: the model's logits width (default: the tokenizer's vocabulary size); a
+            ``ValueError`` if smaller than the tokenizer's vocabulary.
+        stop_token_ids: the tokens that end a request (default: the tokenizer's end token); a
+            ``ValueError`` names any that lies outside the vocabulary.
         max_threads: xgrammar's compile threads.
     """
 

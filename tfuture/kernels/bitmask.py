@@ -138,15 +138,25 @@ def pack_bool_mask(mask: Array) -> Array:
 def unpack_bitmask(bitmask: Array, vocab: int) -> Array:
     """Unpack ``int32 [n, ceil(vocab / 32)]`` into the allowed-token mask ``bool [n, vocab]``, same kind.
 
-    Raises ``ValueError`` unless the bitmask has exactly ``ceil(vocab / 32)`` words per row.
+    Raises ``ValueError`` unless the bitmask has exactly ``ceil(vocab / 32)`` words per row. Any
+    strides are taken (an empty or column-major bitmask included); the result is C-contiguous.
     """
     _check_2d("bitmask", bitmask, "int32")
     _check_words(bitmask, vocab)
-    if isinstance(bitmask, np.ndarray):
-        return cpu.unpack_bits(bitmask, vocab)
     n = bitmask.shape[0]
+    if isinstance(bitmask, np.ndarray):
+        if n == 0:  # numpy keeps an empty array's odd strides through unpackbits
+            return np.zeros((0, vocab), dtype=np.bool_)
+        return cpu.unpack_bits(bitmask, vocab)
+    if n == 0:
+        # An empty tensor counts as contiguous whatever its strides, and the int32 -> uint8 view
+        # below needs stride(-1) == 1: there is nothing to unpack anyway.
+        return torch.zeros((0, vocab), dtype=torch.bool, device=bitmask.device)
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    bytes_ = bitmask.contiguous().view(torch.uint8)
+    words = bitmask.contiguous()
+    if words.stride(-1) != 1:  # a size-1 dim keeps any stride under contiguous()
+        words = torch.empty(words.shape, dtype=words.dtype, device=words.device).copy_(words)
+    bytes_ = words.view(torch.uint8)
     bits = (bytes_.unsqueeze(-1) >> shifts) & 1
     return bits.view(n, 32 * bitmask.shape[1])[:, :vocab].to(torch.bool).contiguous()
 

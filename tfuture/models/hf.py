@@ -12,14 +12,22 @@ not. The adapter switches the model's attention to ``tfuture_<inner>`` (``inner`
 or ``eager``, what the model had): during the adapter's forward it writes the step's K/V into
 the pool and attends over each request's cached row through the inner function with an
 explicit mask; without the adapter's step (``generate``, training) it is exactly ``inner``.
-Sliding-window and other non-full attention layers are not supported.
+
+What is refused at construction (nothing of the model changes then): sliding-window and other
+non-full attention (any ``*window``/``*window_size`` key or ``attention_chunk_size`` below
+``max_len``, non-full ``layer_types``; a window of at least ``max_len`` never binds and is
+fine), and, found by a one-token probe forward, architectures whose layers do not hand the
+attention kwargs to the attention function (StableLM, Nemotron: the pooled attention would
+never see the step), whose keys and values differ in shape (DeepSeek-V2/V3's latent attention),
+or whose attention is called with a sliding window.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import replace
+import threading
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,12 +35,31 @@ import torch
 
 from tfuture.core.batch import ForwardBatch
 from tfuture.models.kv_pool import KVPool, StepLayout
+from tfuture.streams.backends import stream_host_thread
 
 __all__ = ["HFCausalLM"]
 
 _STEP_KW = "tfuture_step"
 _PREFIX = "tfuture_"
 _INNER = ("sdpa", "eager")
+_CLAIM_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One attention call seen by the construction probe."""
+
+    layer: int | None
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    window: object
+
+
+@dataclass(slots=True)
+class _Probe:
+    """Passed as the step during the construction probe: records every attention call."""
+
+    calls: list[_Call] = field(default_factory=list)
 
 
 def _transformers() -> Any:
@@ -65,10 +92,20 @@ def _pool_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The registered ``tfuture_<inner>`` attention: over the KV pool inside an adapter step."""
-    layout: StepLayout | None = kwargs.pop(_STEP_KW, None)
+    layout: StepLayout | _Probe | None = kwargs.pop(_STEP_KW, None)
     fn = _inner_fn(inner, module)
     if layout is None:
         return fn(module, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")
+    if isinstance(layout, _Probe):
+        layer = getattr(module, "layer_idx", None)
+        layout.calls.append(_Call(layer, tuple(key.shape), tuple(value.shape), window))
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    if window is not None and window < layout.pool.max_len:  # refused at construction already
+        raise ValueError(
+            f"layer {module.layer_idx} attends with sliding_window={window}, below the KV pool's "
+            f"max_len={layout.pool.max_len}: the pooled attention has no window"
+        )
     kwargs["dropout"] = 0.0
 
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,6 +129,116 @@ def _register(inner: str) -> str:
     return name
 
 
+def _arch(model: Any) -> str:
+    return f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r})"
+
+
+def _sizes(value: object) -> list[int]:
+    """The ints in a config value (an int, or a per-layer list of them, nested or with None)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [v for item in value for v in _sizes(item)]
+    return []
+
+
+def _check_windows(model: Any, max_len: int) -> None:
+    """Raise ``ValueError`` for a config that limits attention below ``max_len``, whatever key says so."""
+    arch = _arch(model)
+    cfg = model.config
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    others = sorted({str(t) for t in layer_types if t != "full_attention"})
+    if others:
+        raise ValueError(
+            f"{arch}: only full-attention layers are supported, got config.layer_types with {others}"
+        )
+    todo: list[tuple[str, dict[str, Any]]] = [("", cfg.to_dict())]
+    while todo:
+        where, d = todo.pop()
+        # Qwen2-style configs keep a sliding_window that only use_sliding_window switches on.
+        off = d.get("use_sliding_window") is False
+        for key, value in d.items():
+            if isinstance(value, dict):
+                todo.append((f"{where}{key}.", value))
+                continue
+            if not isinstance(key, str) or not (
+                key.endswith(("window", "window_size")) or key == "attention_chunk_size"
+            ):
+                continue
+            if off and key == "sliding_window":
+                continue
+            small = [v for v in _sizes(value) if v < max_len]
+            if small:
+                raise ValueError(
+                    f"{arch}: config.{where}{key}={value!r} limits attention to a window below the KV "
+                    f"pool's max_len={max_len}, and the pooled attention attends over the whole prefix "
+                    f"(build the adapter with max_len <= {min(small)}, or use a model without the window)"
+                )
+
+
+def _probe(model: Any, inner: str, max_len: int) -> tuple[int, int]:
+    """One-token forward through the registered attention: ``(kv_heads, head_dim)`` of the
+    keys every layer writes; ``TypeError``/``ValueError`` naming the architecture when a layer
+    does not hand the step to its attention, keys and values differ in shape, or a layer
+    attends with a window."""
+    arch, cfg = _arch(model), model.config
+    param = next(model.parameters())
+    probe = _Probe()
+    if inner == "eager":
+        mask = torch.zeros((1, 1, 1, 1), dtype=param.dtype, device=param.device)
+    else:
+        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=param.device)
+    ids = torch.zeros((1, 1), dtype=torch.int64, device=param.device)
+    try:
+        with torch.no_grad():
+            model(
+                input_ids=ids,
+                position_ids=ids,
+                attention_mask=mask,
+                use_cache=False,
+                logits_to_keep=1,
+                **{_STEP_KW: probe},
+            )
+    except Exception as e:
+        raise TypeError(
+            f"{arch}: a one-token probe forward through tfuture's pooled attention failed "
+            f"({type(e).__name__}: {e})"
+        ) from e
+    n_layers = cfg.num_hidden_layers
+    if not probe.calls:
+        raise TypeError(
+            f"{arch}: its decoder layers call the attention function without the attention kwargs, "
+            "so the pooled attention would never see the step (each request would attend over its "
+            "own new tokens only); not supported"
+        )
+    layers = sorted(c.layer for c in probe.calls if c.layer is not None)
+    if len(layers) < len(probe.calls) or layers != list(range(n_layers)):
+        raise TypeError(
+            f"{arch}: every one of its {n_layers} layers must call the attention function once per "
+            f"forward with the attention kwargs and a layer_idx, got the calls of layers "
+            f"{[c.layer for c in probe.calls]}; not supported"
+        )
+    for c in probe.calls:
+        if c.key[1] != c.value[1] or c.key[-1] != c.value[-1]:
+            raise TypeError(
+                f"{arch}: keys and values differ in shape (layer {c.layer}: key heads x size "
+                f"{c.key[1]} x {c.key[-1]}, value {c.value[1]} x {c.value[-1]}), as in multi-head latent "
+                "attention; the KV pool holds keys and values of one shape; not supported"
+            )
+        if (c.key[1], c.key[-1]) != (probe.calls[0].key[1], probe.calls[0].key[-1]):
+            raise TypeError(f"{arch}: the key/value head shapes differ between layers; not supported")
+        if isinstance(c.window, int) and not isinstance(c.window, bool) and c.window < max_len:
+            raise ValueError(
+                f"{arch}: layer {c.layer} attends with sliding_window={c.window}, below the KV pool's "
+                f"max_len={max_len}, and the pooled attention attends over the whole prefix (build the "
+                f"adapter with max_len <= {c.window})"
+            )
+    first = probe.calls[0].key
+    return first[1], first[-1]
+
+
 class HFCausalLM:
     """A :class:`tfuture.core.batch.Model` over a Hugging Face causal LM with a pooled KV cache.
 
@@ -99,8 +246,21 @@ class HFCausalLM:
         model: a ``transformers`` causal LM (``PreTrainedModel`` with ``lm_head``), put in eval
             mode; its attention implementation must be ``sdpa`` or ``eager``.
         max_requests: cache rows: requests that may be live at once (running, or ended but not
-            yet reported in :attr:`tfuture.core.batch.Batch.ended`).
-        max_len: positions per row (prompt plus generated tokens).
+            yet reported in :attr:`tfuture.core.batch.Batch.ended`): at least the scheduler's
+            ``max_running``. A step with more requests than rows, or a new request when every
+            row is live, raises ``RuntimeError`` ("KV pool full", naming both numbers) at that
+            step.
+        max_len: positions per row (prompt plus generated tokens). A sliding window (or chunked
+            attention) below it is refused (``ValueError`` naming the config key and value).
+
+    Construction runs a one-token probe forward and refuses (``TypeError``) architectures the
+    pooled attention cannot serve (see the module docstring); the model is left unchanged then.
+
+    One run at a time: the first ``forward`` (or ``release``) of a run claims the adapter for
+    that run's host thread and ``close()`` (called by the runtime when the run ends or fails)
+    gives it back; another run's ``forward`` in the meantime raises ``RuntimeError``, and its
+    ``close()`` leaves the KV pool alone. Give each concurrent runtime its own adapter (they
+    may wrap the same model).
 
     ``pool.k``/``pool.v`` ``[n_layers, max_requests, max_len, n_kv_heads, head_dim]`` in the
     model's dtype, on its device, allocated once. ``forward`` reads only host mirrors on the
@@ -114,24 +274,27 @@ class HFCausalLM:
         inner = impl.removeprefix(_PREFIX)
         if inner not in _INNER:
             raise ValueError(f"attention implementation must be one of {_INNER}, got {impl!r}")
-        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                f"only full-attention layers are supported, got layer_types={sorted(set(layer_types))}"
-            )
+        for arg, v in (("max_requests", max_requests), ("max_len", max_len)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
+        _check_windows(model, max_len)
         name = _register(inner)
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(name)
-        else:
-            cfg._attn_implementation = name
+        _set_attention(model, name)
         if cfg._attn_implementation != name:
+            _set_attention(model, impl)
             raise TypeError(f"{type(model).__name__} does not use transformers' AttentionInterface")
-        self.model, self.inner = model.eval(), inner
+        training = model.training
+        model.eval()
+        try:
+            n_kv, head_dim = _probe(model, inner, max_len)
+        except BaseException:
+            _set_attention(model, impl)  # refused: the model is left as it was
+            model.train(training)
+            raise
+        self.model, self.inner = model, inner
         param = next(model.parameters())
-        n_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
         self.vocab = cfg.vocab_size
+        self._owner: threading.Thread | None = None  # the host thread of the run using the pool
         self.pool = KVPool(
             cfg.num_hidden_layers,
             max_requests,
@@ -142,9 +305,28 @@ class HFCausalLM:
             device=param.device,
         )
 
+    def _claim(self) -> None:
+        """On the stream: the adapter belongs to the run whose op calls this (until ``close``)."""
+        host = stream_host_thread()
+        if self._owner is host:
+            return
+        with _CLAIM_LOCK:
+            owner = self._owner
+            if owner is not None and owner is not host:
+                if owner.is_alive():
+                    raise RuntimeError(
+                        f"this HFCausalLM is in use by another running runtime (host thread "
+                        f"{owner.name!r}): its KV pool serves one run at a time, and that run's "
+                        "close() would free the rows under this one; give each runtime its own "
+                        "HFCausalLM (they may wrap the same model)"
+                    )
+                self.pool.clear()  # its thread ended without close(): its rows are stale
+            self._owner = host
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One batched forward over the step's real tokens; logits of ``batch.sample_rows``."""
         assert batch.host is not None, "ForwardBatch.host is set by TokenStep"
+        self._claim()
         n_tok = batch.host.n_tokens
         if n_tok == 0:
             return torch.zeros(0, self.vocab, device=batch.input_ids.device)
@@ -174,8 +356,21 @@ class HFCausalLM:
 
     def release(self, req_ids: np.ndarray) -> None:
         """Free the cache rows of ended requests (on the forward stream, after their last forward)."""
+        self._claim()
         self.pool.release(req_ids)
 
     def close(self) -> None:
-        """End of a run: every row is free again (the tensors stay, for the next run)."""
-        self.pool.clear()
+        """End of a run (on its host thread): every row is free again and the adapter is free
+        for the next run (the tensors stay). A no-op when another run holds the adapter."""
+        with _CLAIM_LOCK:
+            if self._owner is not None and self._owner is not threading.current_thread():
+                return
+            self.pool.clear()
+            self._owner = None
+
+
+def _set_attention(model: Any, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name

@@ -24,9 +24,10 @@ AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torc
 class KVPool:
     """``k``, ``v``: ``[n_layers, n_rows, max_len, n_kv_heads, head_dim]``, allocated once.
 
-    ``rows_of`` gives each request its row (taken on first sight), ``release`` gives rows
-    back, ``clear`` gives all back. The tensors never grow: a step that needs a row when
-    none is free raises.
+    ``rows_of`` gives each request its row (taken on its first step, which starts at position
+    0), ``release`` gives rows back, ``clear`` gives all back. The tensors never grow: a step
+    with more requests than rows, or one that needs a row when none is free, raises
+    ``RuntimeError`` ("KV pool full") naming both numbers, before it takes any row.
     """
 
     def __init__(
@@ -56,20 +57,48 @@ class KVPool:
     def n_free(self) -> int:
         return len(self._free)
 
-    def rows_of(self, req_ids: np.ndarray) -> np.ndarray:
-        """``[n]`` int64 cache rows of ``req_ids``, taking a free row for each new id."""
-        out = np.empty(req_ids.size, dtype=np.int64)
-        for i, rid in enumerate(req_ids.tolist()):
-            row = self.rows.get(rid)
-            if row is None:
-                if not self._free:
-                    raise RuntimeError(
-                        f"KV pool full: request {rid} needs a row, all {self.n_rows} hold live requests "
-                        f"{sorted(self.rows)[:8]}... (raise max_requests, or report finished requests "
-                        "in Batch.ended so that release frees them)"
-                    )
-                row = self.rows[rid] = self._free.pop()
-            out[i] = row
+    def rows_of(self, req_ids: np.ndarray, prefix_lens: np.ndarray) -> np.ndarray:
+        """``[n]`` int64 cache rows of ``req_ids``, taking a free row for each new id.
+
+        ``prefix_lens [n]``: the tokens each request already has in its cache. A request without
+        a row must start at position 0 (``prefix_len == 0``): one that claims cached tokens but
+        holds no row (never run here, or released by ``Batch.ended`` too early) raises
+        ``ValueError`` naming it, since a fresh row would give it an empty or foreign cache.
+        On any error no row is taken.
+        """
+        n = req_ids.size
+        if n > self.n_rows and np.unique(req_ids).size > self.n_rows:
+            raise RuntimeError(
+                f"KV pool full: a step runs {np.unique(req_ids).size} requests, the KV pool has "
+                f"max_requests={self.n_rows} rows "
+                f"(build the model with max_requests >= the scheduler's max_running)"
+            )
+        out = np.empty(n, dtype=np.int64)
+        rows, taken = self.rows, []
+        try:
+            for i, (rid, prefix) in enumerate(zip(req_ids.tolist(), prefix_lens.tolist(), strict=True)):
+                row = rows.get(rid)
+                if row is None:
+                    if prefix:
+                        raise ValueError(
+                            f"request {rid} comes with prefix_len={prefix} (tokens already in its KV "
+                            "cache) but holds no KV row: its first step must start at position 0, and "
+                            "its row is freed only once it ended (Batch.ended)"
+                        )
+                    if not self._free:
+                        raise RuntimeError(
+                            f"KV pool full: request {rid} needs a row and all max_requests={self.n_rows} "
+                            f"rows hold live requests ({len(rows)} live: {sorted(rows)[:8]}...); build "
+                            "the model with max_requests >= the scheduler's max_running, and report "
+                            "ended requests in Batch.ended so that release frees their rows"
+                        )
+                    row = rows[rid] = self._free.pop()
+                    taken.append(rid)
+                out[i] = row
+        except BaseException:
+            for rid in reversed(taken):  # nothing leaks: the rows of this call go back
+                self._free.append(rows.pop(rid))
+            raise
         return out
 
     def release(self, req_ids: np.ndarray) -> None:
@@ -117,7 +146,7 @@ class StepLayout:
                 f"{pool.max_len}"
             )
         dev = batch.input_ids.device
-        rows = torch.from_numpy(pool.rows_of(host.req_ids))
+        rows = torch.from_numpy(pool.rows_of(host.req_ids, host.prefix_lens))
         # Pinned: an async H2D copy; from pageable memory the host would wait for the stream.
         req_rows = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
         starts = batch.seg_starts[: n_reqs + 1]

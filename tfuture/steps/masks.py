@@ -47,7 +47,8 @@ def widen(mask: torch.Tensor, rows: np.ndarray, n: int) -> torch.Tensor:
 def check_mask(mask: object, reqs: np.ndarray, step: int, vocab: int | None) -> torch.Tensor:
     """``mask`` for the waiting rows of requests ``reqs`` (their ids): a bool ``[m, vocab]``
     mask or a packed int32 ``[m, ceil(vocab / 32)]`` bitmask; on the host, every row allows a
-    token (of the first ``vocab``, once known)."""
+    token (of the first ``vocab``, once known). Returns it as a row-major tensor (a copy when
+    it came with other strides)."""
     m = reqs.size
     t = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(mask)
     if t.dim() != 2 or t.shape[0] != m or t.dtype not in (torch.bool, torch.int32):
@@ -55,6 +56,11 @@ def check_mask(mask: object, reqs: np.ndarray, step: int, vocab: int | None) -> 
             f"build_mask of step {step} must return a bool [rows={m}, vocab] mask or a packed int32 "
             f"[rows={m}, ceil(vocab / 32)] bitmask, got {t.dtype} of shape {tuple(t.shape)}"
         )
+    if t.stride() != (t.shape[1], 1):
+        # Row-major with contiguous rows, as the bitmask kernel and the unpacking need: a
+        # column-major (or empty, odd-strided) mask is copied here, on the host, not refused
+        # later on the stream. A mask built row-major costs nothing.
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
     if vocab is not None:
         check_width(t, vocab, step)
     if not t.is_cuda:

@@ -41,7 +41,10 @@ def spec_fields(k: int) -> dict[str, tuple[Shape, torch.dtype]]:
 
 
 class SpecModel(Protocol):
-    """Target and draft. Both methods run on the forward stream."""
+    """Target and draft. Both methods run on the forward stream.
+
+    Optionally ``vocab`` (an int): :class:`SpecStep` then also refuses target ids ``>= vocab``.
+    """
 
     k: int
 
@@ -51,7 +54,8 @@ class SpecModel(Protocol):
         ...
 
     def verify(self, step: int, inputs: SpecInputs, req_ids: torch.Tensor) -> torch.Tensor:
-        """``[n, k+1]`` int64: the target's greedy token after each input row."""
+        """``[n, k+1]`` integer token ids (``0 <= id < vocab``): the target's greedy token after
+        each input row."""
         ...
 
     def draft(
@@ -106,6 +110,43 @@ class SpecScheduler(Protocol):
     def process(self, result: SpecResult) -> None: ...
 
 
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def flag_bad_tokens(target: torch.Tensor, vocab: int | None, err: torch.Tensor) -> torch.Tensor:
+    """On the stream, no host sync: ``target`` with every id outside ``[0, vocab)`` (``< 0`` when
+    ``vocab`` is None) replaced by 0 and counted in the error flag ``err`` (``err[0]`` += count,
+    ``err[1]`` = min(``err[1]``, the bad ids)), as the kernels flag bad values; the runtime raises
+    :class:`tfuture.core.errors.FutureError` when it processes the step, before the scheduler
+    sees its tokens."""
+    bad = target < 0 if vocab is None else (target < 0) | (target >= vocab)
+    err[0] += bad.sum()
+    err[1:] = torch.minimum(err[1:], torch.where(bad, target, 0).min().reshape(1))
+    return target.masked_fill(bad, 0)
+
+
+def check_target(target: object, n: int, k: int, vocab: int | None, step: int, device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``target`` is an integer ``[n, k + 1]`` tensor on ``device``;
+    on a CPU tensor also unless every id lies in ``[0, vocab)`` (``>= 0`` without a vocab): read
+    in place on the stream, where a CPU value costs no host sync."""
+    if not isinstance(target, torch.Tensor) or target.shape != (n, k + 1):
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(f"verify must return [{n}, {k + 1}] token ids, got {got}")
+    if target.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"verify of step {step} must return integer token ids (int64, int32, ...), got {target.dtype}"
+        )
+    if target.device != device:
+        raise ValueError(f"verify of step {step} must return its token ids on {device}, got {target.device}")
+    if target.device.type != "cpu" or not target.numel():
+        return
+    lo, hi = (int(v) for v in target.aminmax())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        bad = lo if lo < 0 else hi
+        where = f"in [0, vocab={vocab})" if vocab is not None else ">= 0"
+        raise ValueError(f"verify of step {step} returned token id {bad}: token ids must be {where}")
+
+
 def greedy_accept(inputs: SpecInputs, target: torch.Tensor) -> torch.Tensor:
     """``[n]`` int32: 1 + the longest prefix of valid drafts equal to the target's greedy tokens."""
     drafts = inputs.input_ids[:, 1:]
@@ -144,6 +185,11 @@ class SpecStep(StepKind):
     def __init__(self, model: SpecModel) -> None:
         self.model = model
         self.k = int(model.k)
+        vocab = getattr(model, "vocab", None)
+        if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+            raise TypeError(f"the spec model's vocab must be an int >= 1 or absent, got {vocab!r}")
+        #: Target ids must lie below it (when the model declares one).
+        self.vocab: int | None = vocab
         self.fields: FutureFields | None = None
         self._bufs: list[torch.Tensor] = []
         self._fmap: FutureMap | None = None
@@ -171,14 +217,16 @@ class SpecStep(StepKind):
         assert fields is not None
 
         def verify() -> None:
-            assert state.inputs is not None and state.req_ids is not None
+            assert state.inputs is not None and state.req_ids is not None and self._fmap is not None
             target = model.verify(rec.step, state.inputs, state.req_ids)
-            if not isinstance(target, torch.Tensor) or target.shape != (n, k + 1):
-                got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
-                raise ValueError(f"verify must return [{n}, {k + 1}] token ids, got {got}")
+            fmap = self._fmap
+            check_target(target, n, k, self.vocab, rec.step, fmap.device)
+            target = target.to(torch.int64)
+            if target.device.type != "cpu":  # checked in place on the CPU; flagged on a device
+                target = flag_bad_tokens(target, self.vocab, fmap.err)
             acc = greedy_accept(state.inputs, target)
             new_len = state.inputs.positions[:, 0] + 1 + acc
-            state.payload = {"tokens": target.to(torch.int64), "accept_len": acc, "new_seq_len": new_len}
+            state.payload = {"tokens": target, "accept_len": acc, "new_seq_len": new_len}
 
         def draft() -> None:
             assert state.req_ids is not None

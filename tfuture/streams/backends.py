@@ -11,6 +11,11 @@ Both record :class:`Marker` events that the host waits on, keep a busy-interval 
 bubble accounting, and capture the first exception raised by submitted work: the stream is
 then poisoned (later work is skipped) and that exception, with its original traceback and a
 note naming the op and step, re-raises at the next host wait.
+
+Interrupts: :func:`drain_and_close` (the runtime's error path) drains the stream; when the drain
+itself is interrupted (a second Ctrl-C) the stream is abandoned (:meth:`ForwardStream.abandon`:
+no op that has not started yet runs), and a :class:`CpuStream` whose ``close`` is interrupted
+(a third one) is abandoned as well and gives the GIL switch interval back all the same.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tfuture.streams.base import Delay, ForwardStream, Marker, Span
+from tfuture.streams.base import Delay, ForwardStream, Marker, Span, StreamAbandoned
 
 __all__ = [
     "BACKENDS",
@@ -34,9 +39,22 @@ __all__ = [
     "InlineStream",
     "Marker",
     "Span",
+    "StreamAbandoned",
     "drain_and_close",
     "make_stream",
+    "stream_host_thread",
 ]
+
+_WORKER = threading.local()  # on a CpuStream worker: ``host``, the thread that created the stream
+
+
+def stream_host_thread() -> threading.Thread:
+    """The host thread of the run whose stream op calls this: on a :class:`CpuStream` worker the
+    thread that created the stream (the runtime's ``run``), anywhere else the calling thread (the
+    inline and CUDA streams run their ops on the host thread). A model that serves one run at a
+    time tells runs apart with it."""
+    host: threading.Thread | None = getattr(_WORKER, "host", None)
+    return host if host is not None else threading.current_thread()
 
 
 class _SwitchInterval:
@@ -86,6 +104,7 @@ class CpuStream(ForwardStream):
         super().__init__(delay, trace)
         self._grad = torch.is_grad_enabled()
         self._inference = torch.is_inference_mode_enabled()
+        self._host = threading.current_thread()
         SWITCH_INTERVAL.acquire(switch_s)
         # Ops submitted, and ops the worker got past (run, skipped or failed); under _cond.
         self._submitted = 0
@@ -96,9 +115,15 @@ class CpuStream(ForwardStream):
         )
         self._thread = threading.Thread(target=self._run, name="tfuture-forward", daemon=True)
         self._closed = False
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._closed = True
+            SWITCH_INTERVAL.release()
+            raise
 
     def _run(self) -> None:
+        _WORKER.host = self._host
         with torch.inference_mode(self._inference), torch.set_grad_enabled(self._grad):
             self._serve()
 
@@ -136,12 +161,23 @@ class CpuStream(ForwardStream):
         self.raise_if_failed()
 
     def close(self) -> None:
+        """Run every op submitted so far, then stop the worker; idempotent.
+
+        Interrupted (``KeyboardInterrupt`` while the worker still runs), the stream is abandoned:
+        no op that has not started yet will run, the one running now finishes on its own and the
+        worker then exits. The GIL switch interval is given back on every path.
+        """
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
-        self._thread.join()
-        SWITCH_INTERVAL.release()
+        try:
+            self._queue.put(None)
+            self._thread.join()
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            SWITCH_INTERVAL.release()
 
     @property
     def alive(self) -> bool:
@@ -242,12 +278,16 @@ def drain_and_close(stream: ForwardStream) -> None:
     """Let everything submitted finish (or be skipped after a failure), then stop the stream.
 
     For error paths: a failure of the stream itself is swallowed here, since the first
-    failure is the one that re-raises to the caller.
+    failure is the one that re-raises to the caller. A drain that is itself interrupted (a
+    ``KeyboardInterrupt`` in the wait) abandons the stream: the ops that have not started are
+    skipped, and the close only waits for the one running. An interrupt of the close is
+    swallowed too; the stream then stays abandoned (see :meth:`CpuStream.close`).
     """
     try:
         stream.wait(stream.record())
     except BaseException:
-        pass
+        if not stream.failed:  # not the stream's own failure: interrupted, or the worker died
+            stream.abandon()
     try:
         stream.close()
     except BaseException:

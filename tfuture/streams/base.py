@@ -15,6 +15,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
+class StreamAbandoned(RuntimeError):
+    """The stream was abandoned (:meth:`ForwardStream.abandon`): later ops were skipped."""
+
+
 @dataclass(slots=True)
 class Span:
     """One op on the forward stream: name, step, start and end in seconds (perf_counter)."""
@@ -71,6 +75,17 @@ class ForwardStream(ABC):
                 if hasattr(exc, "add_note"):  # Python >= 3.11; a GPU image may run an older one
                     exc.add_note(note)
                 self._error = exc
+
+    def abandon(self) -> None:
+        """Skip every op not yet started, from now on (an interrupted drain: the caller gives up
+        on the queued work). The op running now, if any, still finishes; a stream that already
+        failed keeps its first exception."""
+        with self._lock:
+            if self._error is None:
+                self._error = StreamAbandoned(
+                    "the forward stream was abandoned (interrupted while draining): its queued ops were "
+                    "skipped"
+                )
 
     def raise_if_failed(self) -> None:
         """Re-raise the first exception of submitted work, with its original traceback."""

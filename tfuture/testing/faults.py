@@ -159,6 +159,10 @@ class FaultyStream(ForwardStream):
     def raise_if_failed(self) -> None:
         self.inner.raise_if_failed()
 
+    def abandon(self) -> None:
+        super().abandon()
+        self.inner.abandon()
+
     @property
     def failed(self) -> bool:
         return self.inner.failed

@@ -1,0 +1,49 @@
+"""A scheduler's mask in any memory layout: a column-major (Fortran-order) bitmask or bool mask
+is made row-major on the host by the token step's mask check, and samples the same tokens as a
+row-major one, with tfuture's Sampler and with a model's own sample."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tfuture import FutureMap
+from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
+from tfuture.steps.masks import check_mask
+from tfuture.testing import ContinuousBatcher, ToyGrammar, ToyModel, random_workload
+
+VOCAB = 70  # 3 words a bitmask row: a column-major bitmask has stride(1) != 1
+
+
+class FortranMasks(ContinuousBatcher):
+    def build_mask(self, batch: Any) -> Any:
+        mask = super().build_mask(batch)
+        return np.asfortranarray(mask)
+
+
+def _run(cls: type[ContinuousBatcher], kind: str, sampler: bool) -> dict[int, list[int]]:
+    specs = random_workload(5, 6, vocab=VOCAB, max_new=6, max_prompt=4, grammar_share=1.0)
+    fmap = FutureMap(32, device="cpu")
+    sched = cls(specs, fmap, grammar=ToyGrammar(VOCAB, seed=5), max_running=4, eos=-1, mask=kind)
+    OverlapRuntime(ToyModel(vocab=VOCAB), fmap, sampler=Sampler() if sampler else None).run(sched)
+    assert fmap.in_use == 0
+    return sched.outputs
+
+
+@pytest.mark.parametrize("kind", ["bitmask", "bool"])
+@pytest.mark.parametrize("sampler", [True, False], ids=["sampler", "model-sample"])
+def test_a_column_major_mask_samples_like_a_row_major_one(kind, sampler):
+    assert _run(FortranMasks, kind, sampler) == _run(ContinuousBatcher, kind, sampler)
+
+
+def test_check_mask_returns_row_major_rows():
+    reqs = np.arange(3, dtype=np.int64)
+    words = np.asfortranarray(np.full((3, 3), -1, dtype=np.int32))
+    t = check_mask(words, reqs, 0, VOCAB)
+    assert t.stride() == (3, 1) and torch.equal(t, torch.full((3, 3), -1, dtype=torch.int32))
+    empty = check_mask(np.zeros((0, 3), dtype=np.int32), reqs[:0], 0, VOCAB)
+    assert empty.shape == (0, 3) and empty.stride() == (3, 1)
