@@ -1,21 +1,31 @@
-"""The runtime's own cost per step: OverlapRuntime against a hand-written loop doing the same work.
+"""The runtime's own host cost per step: OverlapRuntime against a hand-written loop and a minimal one.
 
-    python -m perf.bench_runtime_overhead     # CI=1: fewer steps and repeats
+    python -m perf.bench_runtime_overhead     # CI=1: batch 16 and 64, fewer steps and repeats
 
 A zero-work model (``forward`` returns a view of a zero ``[n, 2]`` logits buffer, ``sample`` its
-argmax) and :class:`perf.decode.DecodeScheduler`: ``max_running`` requests that never finish,
-each step decoding every request from the last step's ``out`` handle. Lines:
+argmax) and ``max_running`` requests that decode forever, every request one token per step.
+Lines, each in sync and overlap mode (under overlap a step's tokens are read after the next
+step was launched):
 
 * ``runtime_<mode>_<backend>``: ``OverlapRuntime(model, fmap, overlap=..., stream=backend,
-  trace=False).run(scheduler, max_steps=STEPS)`` for mode sync / overlap and backend ``worker``
-  (the CPU worker thread), ``inline`` (forward-stream ops run at once on the calling thread:
-  the host path a GPU would see) and, on a GPU, ``auto`` (CUDA streams).
-* ``hand_<mode>``: :class:`HandLoop`, the same tensor work inline with no runtime: alloc, one
-  packed H2D copy, ``prepare_inputs``, forward, sample, store, the D2H copy of tokens and error
-  flag, release; under overlap a step's tokens are read after the next step was launched.
+  trace=False).run(DecodeScheduler(n), max_steps=STEPS)`` for backend ``inline`` (every
+  forward-stream op at once on the host thread: the host path a GPU would see), ``worker``
+  (the CPU worker thread) and, on a GPU, ``auto`` (CUDA streams).
+* ``hand_<mode>``: :class:`perf.decode.HandLoop`, the same tensor work on a ``FutureMap`` with
+  no runtime: alloc, the step's index data in a reusable staging buffer, one H2D copy,
+  ``launch_prepare``, forward, sample, store, the D2H copy of tokens and error flag, release.
+  Inline on CPU (a side stream on a GPU).
+* ``minimal_<mode>``: :class:`perf.decode.MinimalLoop`, a minimal decode loop in plain torch, no
+  ``FutureMap``: a token buffer indexed by request row; per step one H2D copy of the step's
+  index data (rows, positions, lengths), gather of the last tokens, forward, sample, scatter
+  into the buffer, one D2H copy of the tokens.
 
-Two plots: process CPU time per step (``time.process_time``: the host thread plus the worker)
-and wall time per step. All lines of a point run interleaved, ``REPEATS`` times each.
+The contract's metric is the host thread's CPU time per step (``time.thread_time`` around a
+run of ``STEPS`` steps): ``runtime_<mode>_inline`` (``_auto`` on a GPU) over ``hand_<mode>``
+and over ``minimal_<mode>``, and ``hand`` over ``minimal``, at batch 16 and 64. Plots: that
+metric, the process CPU time (``time.process_time``: with the worker backend, the worker
+thread too) and wall time per step. All lines of a size are warmed up, then run interleaved,
+``REPEATS`` times each; ratios are medians of per-repeat ratios.
 """
 
 from __future__ import annotations
@@ -29,138 +39,85 @@ import torch
 import triton
 
 from perf import harness
-from perf.decode import DecodeScheduler
+from perf.decode import DecodeScheduler, HandLoop, MinimalLoop, ZeroModel
 from perf.harness import DEVICE, HAS_CUDA
 from tfuture import FutureMap
-from tfuture.core.batch import ForwardBatch
 from tfuture.runtime import OverlapRuntime
 
-MAX_RUNNING = [1, 16, 64, 256]
-STEPS = harness.sweep([200], [40])[0]
-REPEATS = harness.sweep([15], [5])[0]
+MAX_RUNNING = harness.sweep([1, 16, 64, 256], [16, 64])
+TARGET_BATCHES = [16, 64]  # where the contract judges the ratios
+STEPS = harness.sweep([200], [60])[0]
+REPEATS = harness.sweep([15], [7])[0]
 BACKENDS = (["auto"] if HAS_CUDA else []) + ["worker", "inline"]
-LINES = [f"runtime_{m}_{b}" for b in BACKENDS for m in ("sync", "overlap")] + ["hand_sync", "hand_overlap"]
-COLORS = {"auto": "green", "worker": "blue", "inline": "red", "sync": "black", "overlap": "black"}
-STYLES = [(COLORS[line.split("_")[-1]], "--" if "sync" in line else "-") for line in LINES]
-
-
-class ZeroModel:
-    """No device work: ``forward`` returns a zero logits view, ``sample`` its argmax (token 0)."""
-
-    def __init__(self, n: int) -> None:
-        self.logits = torch.zeros(n, 2, device=DEVICE)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.logits[: batch.sample_rows.numel()]
-
-    def sample(self, logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
-        return logits.argmax(dim=1)
-
-
-class HandLoop:
-    """The runtime's tensor work per decode step, inline on this thread: no stream, no Batch."""
-
-    def __init__(self, n: int, overlap: bool) -> None:
-        self.n, self.overlap, self.model = n, overlap, ZeroModel(n)
-        self.fmap = FutureMap(4 * n + 64, device=DEVICE)
-        self.seg_starts, self.req_ids = np.arange(n + 1), np.arange(n)
-        self.split = np.cumsum([n, n + 1, n, n, n]).tolist()
-        self.staging = [torch.empty(n + 2, dtype=torch.int64, pin_memory=HAS_CUDA) for _ in range(2)]
-
-    def run(self, steps: int) -> None:
-        fmap, n, keep = self.fmap, self.n, np.ones(self.n, dtype=bool)
-        positions, tokens = np.full(n, 3), np.arange(1, n + 1)
-        prev = None  # (out handle, staging, event) of the step whose tokens are not read yet
-        for step in range(steps):
-            kept = prev[0].filter(keep) if prev is not None else None
-            ids = tokens if kept is None else kept.host_placeholders()
-            out = fmap.alloc(n)
-            packed = np.concatenate(
-                [ids, self.seg_starts, positions, self.req_ids, positions + 1, self.req_ids]
-            )
-            dev_in = torch.from_numpy(packed).to(DEVICE, non_blocking=True, copy=True)
-            ids_d, seg, prefix, rids, lens, sample_reqs = torch.tensor_split(dev_in, self.split)
-            prepared = fmap.prepare_inputs(ids_d, seg, prefix)
-            rows = prepared.last_rows.index_select(0, sample_reqs)
-            fb = ForwardBatch(step, *prepared, rids, lens, sample_reqs, rows)
-            sampled = self.model.sample(self.model.forward(fb), fb, None)
-            fmap.store(out, sampled)
-            if kept is not None:
-                fmap.release(kept)
-            host = self.staging[step % 2]
-            host[:n].copy_(sampled, non_blocking=True)
-            host[n:].copy_(fmap.err, non_blocking=True)
-            fmap.err.zero_()
-            event = torch.cuda.Event() if HAS_CUDA else None
-            if event is not None:
-                event.record()
-            cur = (out, host, event)
-            if self.overlap:
-                cur, prev = prev, cur
-            if cur is not None:
-                tokens = self.read(*cur)
-            positions = positions + 1
-        if prev is not None:
-            self.read(*prev)
-
-    def read(self, out: object, host: torch.Tensor, event: torch.cuda.Event | None) -> np.ndarray:
-        """Wait for a step's copy, check its error flag, release its handle: its tokens."""
-        if event is not None:
-            event.synchronize()
-        got = host.numpy().copy()
-        if got[self.n]:
-            raise AssertionError(f"hand loop: {got[self.n]} bad placeholder(s)")
-        self.fmap.release(out)  # type: ignore[arg-type]
-        return got[: self.n]
+JUDGED = "auto" if HAS_CUDA else "inline"  # the backend the contract reads: the host path a GPU sees
+MODES = ("sync", "overlap")
+LINES = [f"runtime_{m}_{b}" for b in BACKENDS for m in MODES]
+LINES += [f"{kind}_{m}" for kind in ("hand", "minimal") for m in MODES]
+COLORS = {"auto": "green", "worker": "blue", "inline": "red", "hand": "black", "minimal": "gray"}
+# Runtime lines colored by backend, the loops by kind; sync dashed.
+STYLES = [
+    (
+        COLORS[line.split("_")[-1] if line.startswith("runtime") else line.split("_")[0]],
+        "--" if "sync" in line else "-",
+    )
+    for line in LINES
+]
+METRICS = {"thread_cpu": 0, "cpu": 1, "wall": 2}  # column of measure()'s arrays
 
 
 def make_runtime(n: int, overlap: bool, backend: str) -> Callable[[int], object]:
-    """``run(steps)`` of an OverlapRuntime; raises TypeError where ``stream=`` is not known yet."""
-    fmap, model = FutureMap(4 * n + 64, device=DEVICE), ZeroModel(n)
-    try:
-        rt = OverlapRuntime(model, fmap, overlap=overlap, stream=backend, trace=False)  # type: ignore[call-arg]
-    except TypeError:
-        if backend != "worker" or HAS_CUDA:
-            raise
-        # A runtime from before stream=: on CPU its one backend is the worker thread.
-        rt = OverlapRuntime(model, fmap, overlap=overlap, trace=False)
-    return lambda steps: rt.run(DecodeScheduler(n), max_steps=steps)
+    """``run(steps)`` of an OverlapRuntime with tracing off."""
+    rt = OverlapRuntime(
+        ZeroModel(n), FutureMap(4 * n + 64, device=DEVICE), overlap=overlap, stream=backend, trace=False
+    )
+
+    def run(steps: int) -> None:
+        rt.run(DecodeScheduler(n), max_steps=steps)
+        rt.close()
+
+    return run
 
 
-def per_step(run: Callable[[int], object]) -> Callable[[], tuple[float, float]]:
-    """One timed run of ``STEPS`` steps: (process CPU us, wall us) per step."""
+def make_run(line: str, n: int) -> Callable[[int], object]:
+    kind, mode, *backend = line.split("_")
+    overlap = mode == "overlap"
+    if kind == "runtime":
+        return make_runtime(n, overlap, backend[0])
+    if kind == "hand":
+        return HandLoop(ZeroModel(n, DEVICE), n, overlap, "cuda" if HAS_CUDA else "inline", DEVICE).run
+    return MinimalLoop(n, overlap, DEVICE).run
 
-    def once() -> tuple[float, float]:
-        cpu, wall = time.process_time(), time.perf_counter()
+
+def per_step(run: Callable[[int], object]) -> Callable[[], tuple[float, float, float]]:
+    """One timed run of ``STEPS`` steps: (host thread CPU, process CPU, wall) us per step."""
+
+    def once() -> tuple[float, float, float]:
+        if HAS_CUDA:
+            torch.cuda.synchronize()
+        thread, cpu, wall = time.thread_time(), time.process_time(), time.perf_counter()
         run(STEPS)
-        return (time.process_time() - cpu) / STEPS * 1e6, (time.perf_counter() - wall) / STEPS * 1e6
+        thread, cpu, wall = time.thread_time() - thread, time.process_time() - cpu, time.perf_counter() - wall
+        return thread / STEPS * 1e6, cpu / STEPS * 1e6, wall / STEPS * 1e6
 
     return once
 
 
-# Lines that cannot run here, and why (an OverlapRuntime without stream="inline", say).
+# Lines that cannot run here, and why.
 CANNOT_RUN: dict[str, str] = {}
 
 
 @functools.cache
 def measure(n: int) -> dict[str, np.ndarray]:
-    """``{line: [REPEATS, 2]}`` CPU and wall us per step; lines that cannot run are left out."""
-    runs: dict[str, Callable[[], tuple[float, float]]] = {}
+    """``{line: [REPEATS, 3]}`` thread CPU, process CPU and wall us per step; lines that cannot
+    run are left out."""
+    runs: dict[str, Callable[[], tuple[float, float, float]]] = {}
     for line in (line for line in LINES if line not in CANNOT_RUN):
-        kind, mode, *backend = line.split("_")
         try:
-            run = (
-                HandLoop(n, mode == "overlap").run
-                if kind == "hand"
-                else make_runtime(n, mode == "overlap", backend[0])
-            )
-            run(5)
+            run = make_run(line, n)
+            run(10)  # warm-up
         except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            if kind == "runtime" and isinstance(exc, TypeError):
-                why = f"OverlapRuntime(..., stream={backend[0]!r}) raised {why}: no such backend yet"
-            CANNOT_RUN[line] = why
-            print(f"runtime overhead: {line} cannot run: {why}")
+            CANNOT_RUN[line] = f"{type(exc).__name__}: {exc}"
+            print(f"runtime overhead: {line} cannot run: {CANNOT_RUN[line]}")
             continue
         runs[line] = per_step(run)
     return harness.interleaved(runs, REPEATS)
@@ -177,39 +134,80 @@ def measure(n: int) -> dict[str, np.ndarray]:
             line_vals=LINES,
             line_names=LINES,
             styles=STYLES,
-            xlabel=f"requests decoding per step (zero-work model, {DEVICE})",
+            xlabel=f"requests decoding per step (zero-work model, {DEVICE}; {about})",
             ylabel="us",
             plot_name=f"runtime_{metric}_per_step",
             args={"metric": metric},
         )
-        for metric in ("cpu", "wall")
+        for metric, about in (
+            ("thread_cpu", "host thread CPU time"),
+            ("cpu", "process CPU time"),
+            ("wall", "wall time"),
+        )
     ]
 )
 def runtime_per_step(max_running: int, impl: str, metric: str) -> harness.Timing:
-    """Process CPU time (host thread plus worker) or wall time per decode step: median, p20-p80."""
+    """Host thread CPU time (the contract's metric), process CPU time (host thread plus worker) or
+    wall time per decode step: median, p20-p80 over repeats."""
     samples = measure(max_running).get(impl)
-    return harness.NAN3 if samples is None else harness.band(samples[:, 0 if metric == "cpu" else 1])
+    return harness.NAN3 if samples is None else harness.band(samples[:, METRICS[metric]])
+
+
+def ratio(n: int, num: str, den: str, metric: str = "thread_cpu") -> float | None:
+    """Median over repeats of ``num / den`` (``metric``), or None if a line did not run."""
+    m = measure(n)
+    if num not in m or den not in m:
+        return None
+    col = METRICS[metric]
+    return round(float(np.median(m[num][:, col] / m[den][:, col])), 3)
 
 
 def main() -> None:
     harness.save(runtime_per_step)
     for line, why in CANNOT_RUN.items():
         harness.skip(f"runtime overhead line {line}", why)
-    # Median over repeats of (runtime line / hand loop of the same mode), CPU time.
-    ratios = {
-        line: [
-            round(
-                float(np.median(measure(n)[line][:, 0] / measure(n)[f"hand_{line.split('_')[1]}"][:, 0])), 3
-            )
-            for n in MAX_RUNNING
-        ]
+    sizes = [n for n in TARGET_BATCHES if n in MAX_RUNNING]
+    over_hand: dict[str, dict[str, float | None]] = {}
+    over_minimal: dict[str, dict[str, float | None]] = {}
+    for mode in MODES:
+        judged = f"runtime_{mode}_{JUDGED}"
+        over_hand[judged] = {str(n): ratio(n, judged, f"hand_{mode}") for n in sizes}
+        for num in (judged, f"hand_{mode}"):
+            over_minimal[num] = {str(n): ratio(n, num, f"minimal_{mode}") for n in sizes}
+    # Every runtime line at every size, process CPU over the hand loop of its mode (information).
+    cpu_over_hand = {
+        line: {str(n): ratio(n, line, f"hand_{line.split('_')[1]}", "cpu") for n in MAX_RUNNING}
         for line in LINES
         if line.startswith("runtime") and line not in CANNOT_RUN
     }
-    harness.record("runtime_overhead", {"max_running": MAX_RUNNING, "steps": STEPS, "cpu_over_hand": ratios})
-    print("runtime CPU time per step / hand-written loop (median of per-repeat ratios):")
-    for line, values in ratios.items():
-        print(f"  {line:24s}", dict(zip(MAX_RUNNING, values, strict=True)))
+    us = {
+        line: {str(n): round(float(np.median(measure(n)[line][:, 0])), 2) for n in MAX_RUNNING}
+        for line in LINES
+        if line not in CANNOT_RUN
+    }
+    harness.record(
+        "runtime_overhead",
+        {
+            "max_running": MAX_RUNNING,
+            "steps": STEPS,
+            "repeats": REPEATS,
+            "judged_backend": JUDGED,
+            "thread_cpu_us_per_step": us,
+            "thread_cpu_over_hand": over_hand,
+            "thread_cpu_over_minimal": over_minimal,
+            "cpu_over_hand": cpu_over_hand,
+        },
+    )
+    print(f"host thread CPU us per step (median of {REPEATS} interleaved repeats, {STEPS} steps each):")
+    for line, values in us.items():
+        print(f"  {line:24s} {values}")
+    print(f"host thread CPU per step, {JUDGED} stream, trace off (median of per-repeat ratios):")
+    for name, table in (("/ hand", over_hand), ("/ minimal", over_minimal)):
+        for line, got in table.items():
+            print(f"  {line:24s} {name:10s} {got}")
+    print("process CPU per step / hand loop of the same mode (information):")
+    for line, got in cpu_over_hand.items():
+        print(f"  {line:24s} {got}")
 
 
 if __name__ == "__main__":

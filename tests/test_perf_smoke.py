@@ -1,0 +1,95 @@
+"""The runtime benchmarks' baselines do what they claim: the hand-written loop decodes the same
+tokens as the runtime, the minimal loop scatters into its buffer, the step clock's arithmetic,
+and the contract judges the rows the benchmarks write. Nothing here times anything."""
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from perf import contract
+from perf.decode import DecodeScheduler, HandLoop, MinimalLoop, StepClock, ZeroModel
+from tfuture import FutureMap
+from tfuture.core.batch import StepResult
+from tfuture.runtime import OverlapRuntime
+from tfuture.testing import ToyModel
+
+
+class Recording(DecodeScheduler):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.seen: list[np.ndarray] = []
+
+    def process(self, result: StepResult) -> None:
+        self.seen.append(result.tokens.copy())
+        super().process(result)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("stream", ["inline", "worker"])
+def test_hand_loop_decodes_what_the_runtime_decodes(stream: str, overlap: bool) -> None:
+    n, steps = 4, 6
+    sched = Recording(n)
+    OverlapRuntime(ToyModel(), FutureMap(64), overlap=overlap, stream=stream, trace=False).run(
+        sched, max_steps=steps
+    )
+    clock = StepClock()
+    hand = HandLoop(ToyModel(), n, overlap, stream, time_model=True, clock=clock)
+    seen: list[np.ndarray] = []
+    read = hand._read
+
+    def recording_read(*args: Any) -> np.ndarray:
+        seen.append(read(*args))
+        return seen[-1]
+
+    hand._read = recording_read  # type: ignore[method-assign,assignment]
+    hand.run(steps)
+    assert len(seen) == len(sched.seen) == steps
+    for got, want in zip(seen, sched.seen, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert hand.fmap.in_use == 0 and len(hand.model_s) == steps and len(clock.wall) == steps
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_minimal_loop_scatters_the_sampled_tokens(overlap: bool) -> None:
+    loop = MinimalLoop(8, overlap)
+    before = loop.buf.clone()
+    loop.run(3)
+    rows = torch.from_numpy(loop.rows)
+    assert torch.equal(loop.buf[rows], torch.zeros(8, dtype=torch.int64))  # ZeroModel samples token 0
+    others = torch.ones_like(before, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(loop.buf[others], before[others])
+    assert ZeroModel(3).logits.shape == (3, 2)
+
+
+def test_step_clock_leaves_out_fill_and_host_work() -> None:
+    clock = StepClock()
+    clock.wall, clock.cpu, clock.work = [0.0, 1.0, 3.0, 5.0, 7.0], [0.0, 0.5, 1.5, 2.5, 3.5], [0.2] * 5
+    wall, cpu = clock.per_step(skip=1)
+    assert wall == pytest.approx(2.0) and cpu == pytest.approx((3.0 - 0.6) / 3)
+    with pytest.raises(ValueError):
+        clock.per_step(skip=4)
+
+
+def test_contract_judges_the_rows_the_runtime_benchmarks_write() -> None:
+    summary = {
+        "runtime_overhead": {
+            "thread_cpu_over_hand": {"runtime_sync_inline": {"16": 1.1, "64": 1.3}},
+            "thread_cpu_over_minimal": {"runtime_sync_inline": {"16": 2.0, "64": 2.5}},
+        },
+        "overlap": {"step_over_nominal": {"overlap_batch16": {"0.5": 3.0, "1": 1.4, "4": 1.2, "10": 1.05}}},
+    }
+    rows = {t[3]: contract.judge("", summary, False, t) for t in contract.TARGETS}
+    hand = rows["runtime_overhead.thread_cpu_over_hand.runtime_sync_inline"]
+    assert hand["status"] == "MISS" and hand["measured"] == 1.3
+    assert rows["runtime_overhead.thread_cpu_over_minimal.runtime_sync_inline"]["status"] == "pass"
+    assert rows["runtime_overhead.thread_cpu_over_hand.runtime_overlap_auto"]["status"] == "needs GPU"
+    assert rows["overlap.step_over_nominal.overlap_batch16.1"]["status"] == "pass"
+    assert rows["overlap.step_over_nominal.overlap_batch16.4"]["status"] == "MISS"
+    assert rows["overlap.step_over_nominal.overlap_batch64.4"]["status"] == "no data"
