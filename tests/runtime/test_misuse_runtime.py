@@ -222,9 +222,8 @@ def test_d6_a_tiny_map_is_back_pressure_not_a_stall():
 
 def test_d6_a_zero_token_budget_is_named():
     fmap = FutureMap(8, device="cpu")
-    sched = ContinuousBatcher(random_workload(5, 2, vocab=VOCAB), fmap, token_budget=0)
-    with pytest.raises(RuntimeError, match="nothing fits token_budget=0"):
-        OverlapRuntime(ToyModel(vocab=VOCAB), fmap).run(sched)
+    with pytest.raises(ValueError, match="token_budget must be an int >= 1, got 0"):
+        ContinuousBatcher(random_workload(5, 2, vocab=VOCAB), fmap, token_budget=0)
     assert_clean(fmap)
 
 

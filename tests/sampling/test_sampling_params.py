@@ -63,7 +63,7 @@ def test_pack_unpack_round_trip() -> None:
         SamplingParams(
             temperature=1.3, seed=12345, frequency_penalty=-2.0, presence_penalty=1.5, repetition_penalty=1.25
         ),
-        SamplingParams(temperature=1e-300, top_p=5e-324, min_p=1.0, repetition_penalty=1e-300),
+        SamplingParams(temperature=1e-300, top_p=1e-30, min_p=1.0, repetition_penalty=1e-6),
     ]
     table = pack_params(params)
     assert table.dtype == np.int64 and table.shape == (4, PARAM_WORDS)

@@ -121,6 +121,12 @@ class Batch:
             raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
         if n and self.prefix_lens.min() < 0:
             raise ValueError(f"Batch.prefix_lens must be >= 0, got min {self.prefix_lens.min()}")
+        if n > 1:
+            ids = np.sort(self.req_ids)
+            same = np.flatnonzero(ids[1:] == ids[:-1])
+            if same.size:
+                # KV rows, penalty history and parameters are keyed by request id.
+                raise ValueError(f"Batch.req_ids must be unique, got request {int(ids[same[0]])} twice")
         self.delayed = check_delayed(self.delayed, n)
         if self.params is not None:
             check_admitted(self.params, self.req_ids)

@@ -60,14 +60,40 @@ def _integer(name: str, value: object) -> int:
     return int(value)
 
 
+# The sampler computes in float32 for float16/bfloat16/float32 logits: every parameter must keep
+# its meaning there (no overflow to inf, no underflow to 0, no inf / inf = NaN), so the ranges
+# stop well inside float32's.
+MAX_TEMPERATURE = 1e6
+MIN_TOP_P = 1e-30
+MAX_PENALTY = 1e6
 # (field, what is expected, test) for the float fields; the tests take numpy arrays or floats.
 _FLOAT_RULES: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
-    ("temperature", "a finite float >= 0 (0 = greedy)", lambda x: np.isfinite(x) & (x >= 0)),
-    ("top_p", "a float in (0, 1]", lambda x: (x > 0) & (x <= 1)),
+    (
+        "temperature",
+        f"a float in [0, {MAX_TEMPERATURE:g}] (0 = greedy)",
+        lambda x: (x >= 0) & (x <= MAX_TEMPERATURE),
+    ),
+    (
+        "top_p",
+        f"a float in [{MIN_TOP_P:g}, 1] (1 = off; for greedy use temperature 0)",
+        lambda x: (x >= MIN_TOP_P) & (x <= 1),
+    ),
     ("min_p", "a float in [0, 1]", lambda x: (x >= 0) & (x <= 1)),
-    ("frequency_penalty", "a finite float", np.isfinite),
-    ("presence_penalty", "a finite float", np.isfinite),
-    ("repetition_penalty", "a finite float > 0 (1 = off)", lambda x: np.isfinite(x) & (x > 0)),
+    (
+        "frequency_penalty",
+        f"a float in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        lambda x: (x >= -MAX_PENALTY) & (x <= MAX_PENALTY),
+    ),
+    (
+        "presence_penalty",
+        f"a float in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        lambda x: (x >= -MAX_PENALTY) & (x <= MAX_PENALTY),
+    ),
+    (
+        "repetition_penalty",
+        f"a float in [{1 / MAX_PENALTY:g}, {MAX_PENALTY:g}] (1 = off)",
+        lambda x: (x >= 1 / MAX_PENALTY) & (x <= MAX_PENALTY),
+    ),
 )
 
 

@@ -130,10 +130,7 @@ class ParallelStep(TokenStep):
         queue = [*self._fifo, state]
         state.delivers = queue[0] if len(queue) > self.lag else None
         n_out = 0 if state.delivers is None else state.delivers.n_sample
-        return StepPlan(n_out, inputs, state)
-
-    def delayed(self, batch: MicroBatch) -> bool:  # type: ignore[override]
-        return batch.micro is not None and super().delayed(batch.micro)
+        return StepPlan(n_out, inputs, state, bool(state.late.size))
 
     # -- forward stream ----------------------------------------------------------------------
 

@@ -231,6 +231,11 @@ class Sampler:
         tokens = input_ids.index_select(0, state.obs_idx)
         if tokens.dtype != torch.int64:
             tokens = tokens.long()
+        if self.vocab is not None and not tokens.is_cuda and int(tokens.max()) >= self.vocab:
+            raise ValueError(
+                f"step {state.plan.step}: an input token id {int(tokens.max())} of a request with "
+                f"penalties is past the vocab of {self.vocab} (a prompt id the model does not have)"
+            )
         self.history.ensure(self.vocab, input_ids.device)
         self.history.mark_seen(state.plan.obs_rows, state.obs_rows, tokens)
 

@@ -110,8 +110,18 @@ class ContinuousBatcher:
         if delay not in DELAYS:
             raise ValueError(f"delay must be one of {DELAYS}, got {delay!r}")
         self.fmap, self.grammar, self.mask, self.delay = fmap, grammar, mask, delay
+        for name, v in (("max_running", max_running), ("chunk", chunk), ("token_budget", token_budget)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.vocab = grammar_vocab(specs, grammar)
         check_params(specs)
+        seen: set[int] = set()
+        for s in specs:
+            if not isinstance(s, RequestSpec):
+                raise TypeError(f"specs must hold RequestSpec objects, got {type(s).__name__}")
+            if s.rid in seen:
+                raise ValueError(f"request id {s.rid} appears twice: request ids must be unique")
+            seen.add(s.rid)
         if history_rows is not None and history_rows < 1:
             raise ValueError(f"history_rows must be None or >= 1, got {history_rows}")
         self.history_rows = history_rows

@@ -26,6 +26,27 @@ class RequestSpec:
     grammar: bool | Grammar = False
     params: SamplingParams | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("rid", "arrival", "max_new"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise TypeError(f"RequestSpec.{name} must be an int, got {type(v).__name__} {v!r}")
+        if self.max_new < 1:
+            raise ValueError(
+                f"request {self.rid}: max_new must be >= 1 (tokens to generate), got {self.max_new}"
+            )
+        p = self.prompt
+        if isinstance(p, list | tuple):
+            p = np.asarray(p, dtype=np.int64) if len(p) else np.empty(0, dtype=np.int64)
+        if not isinstance(p, np.ndarray) or p.ndim != 1 or (p.size and p.dtype.kind not in "iu"):
+            got = f"{p.dtype} array of shape {p.shape}" if isinstance(p, np.ndarray) else type(p).__name__
+            raise TypeError(f"request {self.rid}: prompt must be a 1-D integer array or list, got {got}")
+        if not p.size:
+            raise ValueError(f"request {self.rid}: the prompt is empty (a request needs at least one token)")
+        if int(p.min()) < 0:
+            raise ValueError(f"request {self.rid}: prompt token ids must be >= 0, got {int(p.min())}")
+        object.__setattr__(self, "prompt", p.astype(np.int64, copy=False))
+
 
 def grammar_vocab(specs: list[RequestSpec], grammar: Grammar | None) -> int | None:
     """The vocab every grammar of the run shares (None without grammars); raise on a mismatch."""

@@ -44,6 +44,7 @@ class StepPlan(NamedTuple):
     n_out: int
     inputs: Any
     state: Any
+    delayed: bool = False  # sample only after the previous step was processed (a mask)
 
 
 @dataclass(slots=True, eq=False)
@@ -81,10 +82,6 @@ class StepKind(ABC):
     @abstractmethod
     def plan(self, batch: Any) -> StepPlan:
         """Check ``batch`` (``TypeError``/``ValueError``) and plan its host side."""
-
-    def delayed(self, batch: Any) -> bool:
-        """Sample only after the previous step's results were processed (grammar masks)."""
-        return False
 
     @abstractmethod
     def prepare(self, rec: InFlight, inputs: Any) -> None:

@@ -50,6 +50,30 @@ class Buckets:
         return n
 
 
+def check_placeholders(batch: Batch) -> None:
+    """Raise ``ValueError`` if ``batch.tokens`` holds a negative id that no handle of
+    ``batch.consumes`` names: it would resolve to an unrelated slot's token (a prompt id of -1
+    reads slot 1). Negative ids are placeholders, and only consumed handles make them."""
+    tokens = batch.tokens
+    if not tokens.size or tokens.min() >= 0:
+        return
+    negs = tokens[tokens < 0]
+    neg = -negs  # int64 min stays negative: no handle names it
+    consumes = batch.consumes
+    named = (
+        consumes[0].slots if len(consumes) == 1 else np.concatenate([h.slots for h in consumes] or [_NO_ROWS])
+    )
+    if neg.size == named.size and np.array_equal(neg, named):
+        return  # the usual decode: the consumed handle's placeholders, in order
+    stray = negs[~np.isin(neg, named)]
+    if stray.size:
+        raise ValueError(
+            f"Batch.tokens holds the negative id {int(stray[0])}, which no handle of batch.consumes "
+            f"names ({stray.size} such id(s)): negative ids are placeholders of consumed handles; "
+            "token ids are >= 0"
+        )
+
+
 class TokenInputs(NamedTuple):
     """A token step's staged index data, named: host int64 arrays at plan time, their device
     views (one H2D copy, split) in :meth:`TokenStep.prepare`.
@@ -145,10 +169,11 @@ class TokenStep(StepKind):
         if not isinstance(batch, Batch):
             raise TypeError(f"schedule() must return a Batch or None, got {type(batch).__name__}")
         state, inputs = self.plan_batch(batch)
-        return StepPlan(state.n_sample, inputs, state)
+        return StepPlan(state.n_sample, inputs, state, bool(state.late.size))
 
     def plan_batch(self, batch: Batch) -> tuple[TokenState, TokenInputs]:
         """The host side of ``batch``: its record and its staged arrays."""
+        check_placeholders(batch)
         sample_reqs = np.flatnonzero(batch.sample)
         n_reqs, n_tok = batch.n_reqs, batch.tokens.size
         n_rows, n_pad = n_tok, n_reqs
@@ -190,6 +215,8 @@ class TokenStep(StepKind):
     def _split_rows(self, batch: Batch, sample_reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``."""
         rows = np.arange(sample_reqs.size, dtype=np.int64)
+        if not np.count_nonzero(batch.delayed):  # the common case: nothing waits
+            return _NO_ROWS, rows, _NO_ROWS
         waits = batch.delayed[sample_reqs]
         n_waits = int(np.count_nonzero(waits))
         if n_waits == 0:
@@ -200,9 +227,6 @@ class TokenStep(StepKind):
             return rows, _NO_ROWS, rows[waits]  # the path takes every row at once
         return rows[waits], rows[~waits], rows[waits]
 
-    def delayed(self, batch: Batch) -> bool:
-        return bool(np.count_nonzero(batch.delayed[batch.sample]))
-
     # -- forward stream ----------------------------------------------------------------------
 
     def prepare(self, rec: InFlight, inputs: TokenInputs) -> None:
@@ -212,7 +236,7 @@ class TokenStep(StepKind):
         if self.buckets is not None:
             key = (state.n_rows, inputs.prefix_lens.numel())
             out = self._outs.get(key)
-            if out is None:
+            if out is None and key[0] in self.buckets.rows and key[1] in self.buckets.reqs:
                 dev = fmap.device
                 out = self._outs[key] = PreparedInputs(
                     torch.zeros(key[0], dtype=inputs.tokens.dtype, device=dev),
