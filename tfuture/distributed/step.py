@@ -39,7 +39,7 @@ from tfuture.distributed.micro import MicroBatch, MicroResult
 from tfuture.distributed.stage import MicroState, StageModel
 from tfuture.sampling import Sampler
 from tfuture.steps.base import InFlight, Op, StepPlan
-from tfuture.steps.token import Buckets, TokenInputs, TokenStep
+from tfuture.steps.token import Buckets, TokenInputs, TokenStep, check_sampled
 
 __all__ = ["ParallelStep", "StageModel"]
 
@@ -235,7 +235,8 @@ class ParallelStep(TokenStep):
 
             ops.append(("recv_tokens", recv_tokens))
         out = rec.out
-        ops.append(("store", lambda: fmap.store(out, state.delivered)))
+        # -1 marks a row without a valid token: the map gets 0, the host copy raises.
+        ops.append(("store", lambda: fmap.store(out, state.delivered.clamp(min=0))))
         if self.check:
             slots, step = out.slots, rec.step
             ops.append(("check_tokens", lambda: check_stored_tokens(ctx, step, fmap.token_map, slots)))
@@ -281,6 +282,7 @@ class ParallelStep(TokenStep):
         done = rec.state.delivers
         if done is None or done.micro is None:
             return MicroResult(rec.step, -1, None)
+        check_sampled(words, done, done.step)
         return MicroResult(rec.step, done.group, StepResult(done.step, done.micro, words))
 
     def n_tokens(self, result: MicroResult) -> int:  # type: ignore[override]

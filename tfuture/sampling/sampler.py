@@ -262,7 +262,7 @@ class Sampler:
         plan = state.plan
         m, vocab = self._check_logits(logits, plan, rows)
         if not (plan.sampled or plan.penalized or bitmask is not None):
-            return logits.argmax(dim=1)
+            return _greedy(logits)
         if m == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         block = state.block
@@ -287,7 +287,7 @@ class Sampler:
             x = x.contiguous()
             launch_apply_token_bitmask_(x, bitmask)
         if not plan.sampled:
-            return x.argmax(dim=1)
+            return _greedy(x)
         assert block is not None and floats is not None
         return self._draw(x, floats, block[R_TOP_K], plan, vocab)
 
@@ -349,7 +349,10 @@ class Sampler:
         # Below the total by construction (u * total may round up to it): the pick has p > 0.
         target = torch.minimum(floats[R_DRAW].unsqueeze(1) * total, torch.nextafter(total, self._zero(total)))
         pick = torch.searchsorted(c, target, right=True).clamp_max_(vocab - 1)
-        return order.gather(1, pick).squeeze(1)
+        # A row whose filtered probabilities are not a distribution (a NaN or +inf logit, or -inf
+        # on every allowed token) has no token to give: -1 marks it (no sync; the host raises).
+        ok = p.gather(1, pick) > 0
+        return torch.where(ok, order.gather(1, pick), -1).squeeze(1)
 
     def _zero(self, like: torch.Tensor) -> torch.Tensor:
         """A cached 0-dim zero of ``like``'s dtype and device (no fill launched per step)."""
@@ -362,6 +365,14 @@ class Sampler:
         if self._arange is None or self._arange.numel() != vocab or self._arange.device != device:
             self._arange = torch.arange(vocab, device=device)
         return self._arange
+
+
+def _greedy(x: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row, or -1 where it is not a real logit (NaN, or -inf: every allowed
+    token banned), so no banned token is ever returned."""
+    tokens = x.argmax(dim=1)
+    ok = x.gather(1, tokens.unsqueeze(1)).squeeze(1) > float("-inf")
+    return torch.where(ok, tokens, -1)
 
 
 def _check_bitmask(bitmask: object, m: int, vocab: int, device: torch.device) -> None:

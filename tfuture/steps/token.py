@@ -74,6 +74,21 @@ def check_placeholders(batch: Batch) -> None:
         )
 
 
+def check_sampled(tokens: np.ndarray, state: TokenState, step: int) -> None:
+    """HOST, after the step's copy: raise ``ValueError`` naming the request and step if a row got
+    no valid token (-1): its logits had a NaN or +inf, or -inf on every allowed token, so no
+    token had a nonzero probability (or a model's own ``sample`` returned a negative id)."""
+    if not tokens.size or tokens.min() >= 0:
+        return
+    bad = np.flatnonzero(tokens < 0)
+    rid = int(state.host.req_ids[state.sample_reqs[bad[0]]])
+    raise ValueError(
+        f"step {step}: the sampler found no valid token for request id {rid} ({bad.size} row(s)): its "
+        "logits were NaN or +inf, or -inf on every token the mask allows (or the model's own sample "
+        f"returned the negative id {int(tokens[bad[0]])})"
+    )
+
+
 class TokenInputs(NamedTuple):
     """A token step's staged index data, named: host int64 arrays at plan time, their device
     views (one H2D copy, split) in :meth:`TokenStep.prepare`.
@@ -112,7 +127,8 @@ class TokenState:
     splan: SamplerPlan
     fwd: ForwardBatch | None = None
     logits: torch.Tensor | None = None
-    sampled: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None  # -1 where a row got no valid token (checked on the host)
+    clean: torch.Tensor | None = None  # sampled, -1 read as 0: what the map and history get
     mask: torch.Tensor | None = None
     mask_ready: Any = None  # a CUDA event when the mask was built on the caller's stream
     unchecked: np.ndarray | None = None  # mask rows' request ids, checked once the vocab is known
@@ -292,7 +308,7 @@ class TokenStep(StepKind):
         self.take_mask(rec, mask)
         fmap, state = self.fmap, rec.state
         assert fmap is not None
-        return [("sample", lambda: self.sample(rec)), ("store", lambda: fmap.store(rec.out, state.sampled))]
+        return [("sample", lambda: self.sample(rec)), ("store", lambda: fmap.store(rec.out, state.clean))]
 
     def take_mask(self, rec: InFlight, mask: object) -> None:
         """HOST: check a delayed step's mask (every row allows a token; the width, once the
@@ -335,7 +351,8 @@ class TokenStep(StepKind):
             assert self.fmap is not None
             mask_dev = state.mask.to(self.fmap.device, non_blocking=True)
         self._sample_rows(rec, state.late_dev if state.split else None, mask_dev)
-        self.path.record(state.sstate, state.sampled)
+        state.clean = state.sampled.clamp(min=0)
+        self.path.record(state.sstate, state.clean)
 
     def _sample_rows(self, rec: InFlight, rows: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         """On the stream: sample ``rows`` (all when None) of the step into ``state.sampled``."""
@@ -363,6 +380,7 @@ class TokenStep(StepKind):
         dst.copy_(rec.state.sampled, non_blocking=True)
 
     def result(self, rec: InFlight, words: np.ndarray) -> StepResult:
+        check_sampled(words, rec.state, rec.step)
         return StepResult(rec.step, rec.batch, words)
 
     def n_tokens(self, result: StepResult) -> int:
