@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tfuture.core.batch import ForwardBatch
+from tfuture.core.rows import RowAllocator, RowsFull
 
 # (q [n_reqs, heads, width, head_dim], k, v [n_reqs, kv_heads, kv_len, head_dim], mask)
 #   -> [n_reqs, width, heads, head_dim]
@@ -50,12 +51,16 @@ class KVPool:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.n_rows, self.max_len = n_rows, max_len
-        self.rows: dict[int, int] = {}
-        self._free = list(range(n_rows - 1, -1, -1))
+        self._alloc = RowAllocator(n_rows)
+
+    @property
+    def rows(self) -> dict[int, int]:
+        """``{request id: row}`` of the live requests."""
+        return self._alloc.held
 
     @property
     def n_free(self) -> int:
-        return len(self._free)
+        return self._alloc.n_free
 
     def rows_of(self, req_ids: np.ndarray, prefix_lens: np.ndarray) -> np.ndarray:
         """``[n]`` int64 cache rows of ``req_ids``, taking a free row for each new id.
@@ -66,51 +71,42 @@ class KVPool:
         ``ValueError`` naming it, since a fresh row would give it an empty or foreign cache.
         On any error no row is taken.
         """
-        n = req_ids.size
-        if n > self.n_rows and np.unique(req_ids).size > self.n_rows:
+        held = self._alloc.held
+        ids = req_ids.tolist()
+        rows = [held.get(rid, -1) for rid in ids]
+        if -1 not in rows:  # steady state: every request holds its row
+            return np.array(rows, dtype=np.int64)
+        n_req = len(set(ids))
+        if n_req > self.n_rows:
             raise RuntimeError(
-                f"KV pool full: a step runs {np.unique(req_ids).size} requests, the KV pool has "
-                f"max_requests={self.n_rows} rows "
-                f"(build the model with max_requests >= the scheduler's max_running)"
+                f"KV pool full: a step runs {n_req} requests, the KV pool has max_requests={self.n_rows} "
+                "rows (build the model with max_requests >= the scheduler's max_running)"
             )
-        out = np.empty(n, dtype=np.int64)
-        rows, taken = self.rows, []
+        new = [i for i, row in enumerate(rows) if row < 0]
+        for i in new:
+            if prefix_lens[i]:
+                raise ValueError(
+                    f"request {ids[i]} comes with prefix_len={int(prefix_lens[i])} (tokens already in its "
+                    "KV cache) but holds no KV row: its first step must start at position 0, and its "
+                    "row is freed only once it ended (Batch.ended)"
+                )
         try:
-            for i, (rid, prefix) in enumerate(zip(req_ids.tolist(), prefix_lens.tolist(), strict=True)):
-                row = rows.get(rid)
-                if row is None:
-                    if prefix:
-                        raise ValueError(
-                            f"request {rid} comes with prefix_len={prefix} (tokens already in its KV "
-                            "cache) but holds no KV row: its first step must start at position 0, and "
-                            "its row is freed only once it ended (Batch.ended)"
-                        )
-                    if not self._free:
-                        raise RuntimeError(
-                            f"KV pool full: request {rid} needs a row and all max_requests={self.n_rows} "
-                            f"rows hold live requests ({len(rows)} live: {sorted(rows)[:8]}...); build "
-                            "the model with max_requests >= the scheduler's max_running, and report "
-                            "ended requests in Batch.ended so that release frees their rows"
-                        )
-                    row = rows[rid] = self._free.pop()
-                    taken.append(rid)
-                out[i] = row
-        except BaseException:
-            for rid in reversed(taken):  # nothing leaks: the rows of this call go back
-                self._free.append(rows.pop(rid))
-            raise
-        return out
+            self._alloc.take(list(dict.fromkeys(ids[i] for i in new)))
+        except RowsFull as full:
+            raise RuntimeError(
+                f"KV pool full: request {full.rid} needs a row and all max_requests={self.n_rows} rows "
+                f"hold live requests ({len(held)} live: {sorted(held)[:8]}...); build the model with "
+                "max_requests >= the scheduler's max_running, and report ended requests in "
+                "Batch.ended so that release frees their rows"
+            ) from None
+        return np.array([held[rid] for rid in ids], dtype=np.int64)
 
     def release(self, req_ids: np.ndarray) -> None:
         """Give back the rows of ``req_ids``; ids without a row (never run) are ignored."""
-        for rid in req_ids.tolist():
-            row = self.rows.pop(rid, None)
-            if row is not None:
-                self._free.append(row)
+        self._alloc.release(req_ids)
 
     def clear(self) -> None:
-        self.rows.clear()
-        self._free = list(range(self.n_rows - 1, -1, -1))
+        self._alloc.reset()
 
 
 @dataclass(frozen=True, slots=True)
