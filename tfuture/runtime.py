@@ -307,8 +307,9 @@ class OverlapRuntime:
 
         def copy() -> None:
             kind.copy_result(rec, staging.data[:n])
+            # Not zeroed per step: a set flag raises at this step's sync, and the run's abort
+            # clears it once the stream is drained (one launch less per step).
             staging.data[n : n + 2].copy_(fmap.err, non_blocking=True)
-            fmap.err.zero_()
 
         return [*ops, ("copy", copy)]
 
@@ -344,6 +345,7 @@ class OverlapRuntime:
         """Drain and stop the stream, then release every handle the runtime still holds."""
         if self._stream is not None:
             drain_and_close(self._stream)
+        self.fmap.err.zero_()  # a reported flag does not stick to the next run
         self.fmap.device_exec = None
         held = [h for r in self._inflight for h in (r.out, *r.batch.consumes)]
         self.fmap.release_live(held + self._deferred)

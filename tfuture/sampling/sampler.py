@@ -370,9 +370,8 @@ class Sampler:
 def _greedy(x: torch.Tensor) -> torch.Tensor:
     """The argmax of each row, or -1 where it is not a real logit (NaN, or -inf: every allowed
     token banned), so no banned token is ever returned."""
-    tokens = x.argmax(dim=1)
-    ok = x.gather(1, tokens.unsqueeze(1)).squeeze(1) > float("-inf")
-    return torch.where(ok, tokens, -1)
+    best, tokens = x.max(dim=1)  # one op: the value says whether the pick is a real logit
+    return torch.where(best > float("-inf"), tokens, -1)
 
 
 def _check_bitmask(bitmask: object, m: int, vocab: int, device: torch.device) -> None:

@@ -23,6 +23,13 @@ from tfuture.steps.masks import check_logits, check_mask, check_rows, check_widt
 from tfuture.steps.samplers import SamplePath, sample_path
 
 _NO_ROWS = np.empty(0, dtype=np.int64)
+_ARANGE = np.arange(1024, dtype=np.int64)
+_ARANGE.flags.writeable = False
+
+
+def _arange(n: int) -> np.ndarray:
+    """``arange(n)`` int64, a read-only view of a cached array when it is short."""
+    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,15 +197,19 @@ class TokenStep(StepKind):
     def plan_batch(self, batch: Batch) -> tuple[TokenState, TokenInputs]:
         """The host side of ``batch``: its record and its staged arrays."""
         check_placeholders(batch)
-        sample_reqs = np.flatnonzero(batch.sample)
         n_reqs, n_tok = batch.n_reqs, batch.tokens.size
+        every = np.count_nonzero(batch.sample) == n_reqs
+        sample_reqs = _arange(n_reqs) if every else np.flatnonzero(batch.sample)
         n_rows, n_pad = n_tok, n_reqs
         if self.buckets is not None:
             n_rows, n_pad = Buckets.fit(self.buckets.rows, n_tok), Buckets.fit(self.buckets.reqs, n_reqs)
-        # Padding requests are empty segments at the end: seg_starts repeats the token count.
-        seg_starts = np.full(n_pad + 1, n_tok, dtype=np.int64)
-        seg_starts[0] = 0
-        np.cumsum(batch.seg_lens, out=seg_starts[1 : n_reqs + 1])
+        if n_tok == n_reqs == n_pad:
+            seg_starts = _arange(n_reqs + 1)  # a decode step: one token a request (seg_lens >= 1)
+        else:
+            # Padding requests are empty segments at the end: seg_starts repeats the token count.
+            seg_starts = np.full(n_pad + 1, n_tok, dtype=np.int64)
+            seg_starts[0] = 0
+            np.cumsum(batch.seg_lens, out=seg_starts[1 : n_reqs + 1])
         prefix, rids, lens = batch.prefix_lens, batch.req_ids, batch.prefix_lens + batch.seg_lens
         if n_pad > n_reqs:
             pad = np.zeros(n_pad - n_reqs, dtype=np.int64)
@@ -230,7 +241,7 @@ class TokenStep(StepKind):
 
     def _split_rows(self, batch: Batch, sample_reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``."""
-        rows = np.arange(sample_reqs.size, dtype=np.int64)
+        rows = _arange(sample_reqs.size)
         if not np.count_nonzero(batch.delayed):  # the common case: nothing waits
             return _NO_ROWS, rows, _NO_ROWS
         waits = batch.delayed[sample_reqs]
@@ -264,7 +275,10 @@ class TokenStep(StepKind):
             inputs.tokens, inputs.seg_starts, inputs.prefix_lens, state.n_rows, out
         )
         sreq = inputs.sample_reqs
-        sample_rows = prepared.last_rows.index_select(0, sreq)
+        # Every request samples and none is padding (a decode step): the sampling rows are the
+        # last rows themselves, no gather.
+        every = state.n_sample == state.host.seg_lens.size == prepared.last_rows.numel()
+        sample_rows = prepared.last_rows if every else prepared.last_rows.index_select(0, sreq)
         state.fwd = ForwardBatch(
             rec.step,
             *prepared,
