@@ -94,10 +94,11 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps.token", "tfuture.steps.speculative"},
     {"tfuture.grammars.*"},
     {"tfuture.runtime"},
-    {"tfuture.scheduler.*"},  # ContinuousBatcher, RequestSpec
+    {"tfuture.scheduler.*"},  # ContinuousBatcher, ServingScheduler, RequestSpec, GenerationParams
+    {"tfuture.models.*"},
+    {"tfuture.engine.*"},  # Engine, generate: the front door
     {"tfuture"},  # the public names; no module of tfuture imports it
     {"tfuture.distributed.*"},
-    {"tfuture.models.*"},
     {"tfuture.examples.*"},
     {"tfuture.testing.*"},  # test tools: nothing below imports them
 ]

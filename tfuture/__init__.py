@@ -1,7 +1,9 @@
 """tfuture: future slots, resolve/store kernels and an overlap runtime for LLM serving.
 
-The names here are what a user writes against: the runtime (:class:`OverlapRuntime`), the
-scheduler (:class:`ContinuousBatcher`, :class:`RequestSpec`), the step data and protocols
+The names here are what a user writes against: the front door (:func:`generate`,
+:class:`Engine`, :class:`GenerationParams`), the runtime (:class:`OverlapRuntime`), the
+schedulers (:class:`ContinuousBatcher`, :class:`ServingScheduler`, :class:`RequestSpec`), the
+step data and protocols
 (:class:`Batch`, :class:`StepResult`, :class:`ForwardBatch`, :class:`HostMeta`, :class:`Model`,
 :class:`Scheduler`), sampling (:class:`SamplingParams`, :class:`Sampler`), padding buckets
 (:class:`Buckets`), run statistics (:class:`RunStats`) and the future slots with their checked
@@ -20,8 +22,9 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 9. ``sampling``: the device ``Sampler``;
 10. ``steps``: step kinds (``steps.masks``; ``steps.base``; ``steps.token``, ``steps.speculative``);
 11. ``grammars``: the matcher protocol, bitmasks, the xgrammar adapter;
-12. ``runtime``: the loop; 13. ``scheduler``: ``ContinuousBatcher``; 14. this package;
-15. ``distributed``, 16. ``models``, 17. ``examples``, 18. ``testing`` (test tools: nothing else
+12. ``runtime``: the loop; 13. ``scheduler``: ``ContinuousBatcher``, ``ServingScheduler``,
+    ``GenerationParams``; 14. ``models``; 15. ``engine``: ``Engine``, ``generate``; 16. this
+    package; 17. ``distributed``, 18. ``examples``, 19. ``testing`` (test tools: nothing else
     imports them).
 """
 
@@ -31,34 +34,54 @@ from tfuture.core.future_fields import FutureFields
 from tfuture.core.future_map import FutureMap
 from tfuture.core.params import SamplingParams
 from tfuture.core.slots import FutureIndices
+from tfuture.engine import Engine, EngineError, GenerateResult, RequestOutput, TokenStream, generate
 from tfuture.kernels.resolve import PreparedInputs, prepare_inputs, resolve_futures_
 from tfuture.kernels.store import store_futures
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling.sampler import Sampler
-from tfuture.scheduler import ContinuousBatcher, RequestSpec
+from tfuture.scheduler import (
+    Completion,
+    ContinuousBatcher,
+    GenerationParams,
+    RequestSpec,
+    RequestTimings,
+    ServingScheduler,
+    TokenUpdate,
+)
 from tfuture.steps.token import Buckets
 from tfuture.streams.stats import RunStats
 
 __all__ = [
     "Batch",
     "Buckets",
+    "Completion",
     "ContinuousBatcher",
+    "Engine",
+    "EngineError",
     "ForwardBatch",
     "FutureError",
     "FutureFields",
     "FutureIndices",
     "FutureMap",
     "FutureMapFull",
+    "GenerateResult",
+    "GenerationParams",
     "HostMeta",
     "Model",
     "OverlapRuntime",
     "PreparedInputs",
+    "RequestOutput",
     "RequestSpec",
+    "RequestTimings",
     "RunStats",
     "Sampler",
     "SamplingParams",
     "Scheduler",
+    "ServingScheduler",
     "StepResult",
+    "TokenStream",
+    "TokenUpdate",
+    "generate",
     "prepare_inputs",
     "resolve_futures_",
     "store_futures",

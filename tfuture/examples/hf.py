@@ -6,7 +6,7 @@ forward per step), runs one seeded workload in sync mode and overlapped, checks 
 the same tokens, prints wall time, tokens/s and device idle of each, and writes the overlapped
 run's Chrome trace (open it in https://ui.perfetto.dev). ``--host-ms`` of host work per step
 (a sleep, like detokenizing or network I/O in C code, which releases the GIL) is what the
-overlap hides. Needs the ``[hf]`` extra.
+overlap hides. Needs the ``hf`` extra (``pip install 'tfuture[hf]'``); ``--help`` works without it.
 """
 
 from __future__ import annotations
@@ -14,23 +14,49 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tfuture.core.future_map import FutureMap
-from tfuture.models import HFCausalLM
 from tfuture.runtime import OverlapRuntime
 from tfuture.scheduler import ContinuousBatcher, RequestSpec
 from tfuture.streams.stats import RunStats
+
+if TYPE_CHECKING:
+    from tfuture.models import HFCausalLM
+
+NEEDS_HF = (
+    "tfuture.examples.hf needs the 'hf' extra (transformers is not installed): pip install 'tfuture[hf]'"
+)
+
+
+def _no_transformers(exc: ModuleNotFoundError) -> bool:
+    """Whether ``exc`` says transformers is missing (not some other module)."""
+    return (exc.name or "").partition(".")[0] == "transformers"
+
+
+def _hf_causal_lm() -> type[HFCausalLM]:
+    try:
+        from tfuture.models import HFCausalLM
+    except ModuleNotFoundError as exc:
+        if not _no_transformers(exc):
+            raise
+        raise ModuleNotFoundError(NEEDS_HF, name="transformers") from exc
+    return HFCausalLM
 
 
 def build_llama(
     *, vocab: int = 256, hidden: int = 128, layers: int = 2, seed: int = 0, attn: str = "sdpa"
 ) -> Any:
     """A random-weight Llama with GQA (4 query heads, 2 KV heads), ``attn`` attention."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    try:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+    except ModuleNotFoundError as exc:
+        if not _no_transformers(exc):
+            raise
+        raise ModuleNotFoundError(NEEDS_HF, name="transformers") from exc
 
     cfg = LlamaConfig(
         vocab_size=vocab,
@@ -80,19 +106,27 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> dict[str, RunStats]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=32)
+    p = argparse.ArgumentParser(
+        prog="python -m tfuture.examples.hf",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=32, help="number of requests (default 32)")
     p.add_argument("--max-new", type=int, default=32, help="longest generation per request")
-    p.add_argument("--max-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=32, help="longest prompt, tokens")
     p.add_argument("--max-running", type=int, default=8, help="requests in flight (KV pool rows)")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128, help="the Llama's hidden size")
+    p.add_argument("--layers", type=int, default=2, help="the Llama's decoder layers")
     p.add_argument("--host-ms", type=float, default=4.0, help="host work per step, ms (a sleep)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trace", default=os.path.join(tempfile.gettempdir(), "tfuture-hf-trace.json"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the workload")
+    p.add_argument(
+        "--trace",
+        default=os.path.join(tempfile.gettempdir(), "tfuture-hf-trace.json"),
+        help="Chrome trace of the overlapped run (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     vocab = 256
-    model = HFCausalLM(
+    model = _hf_causal_lm()(
         build_llama(vocab=vocab, hidden=args.hidden, layers=args.layers, seed=args.seed),
         max_requests=args.max_running,
         max_len=args.max_prompt + args.max_new,

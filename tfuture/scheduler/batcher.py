@@ -28,9 +28,12 @@ from tfuture.core.params import SamplingParams
 from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests
 from tfuture.scheduler.request import RequestSpec, check_params, grammar_vocab
 
-__all__ = ["DELAYS", "ContinuousBatcher", "RequestSpec", "spin"]
+__all__ = ["DELAYS", "FINISH_REASONS", "ContinuousBatcher", "RequestSpec", "spin"]
 
 DELAYS = ("rows", "batch")
+# Why a request finished: a stop token, its length limit, an abort, its grammar terminated (on a
+# token that is not one of its stop tokens), or the run failed (ServingScheduler).
+FINISH_REASONS = ("stop", "length", "abort", "grammar", "error")
 
 
 def spin(seconds: float) -> None:
@@ -51,6 +54,7 @@ class _Req:
     matcher: Matcher | None = None  # a grammar request's position in its grammar
     admitted: bool = False  # its parameters went out with its first step
     state: int = 0  # free for subclasses (a grammar state kept by hand)
+    reason: str | None = None  # why it finished: one of FINISH_REASONS
 
     @property
     def known_len(self) -> int:
@@ -65,10 +69,13 @@ class ContinuousBatcher:
     """Schedules ``specs`` onto a runtime: at most ``max_running`` requests, ``token_budget``
     tokens per step, prompts in chunks of at most ``chunk`` tokens.
 
-    ``outputs[rid]`` holds each request's generated tokens (the stop token included). ``eos`` is
-    one stop token or a collection of them. Each batch reports in ``Batch.ended`` the requests
-    that finished since the last batch (they appear in no later step), so a model can free their
-    KV cache; requests that finish after the last batch are left to the model's ``close()``.
+    ``outputs[rid]`` holds each request's generated tokens (the stop token included) and
+    ``finish_reasons[rid]`` why it finished (``"stop"``: a stop token, ``"grammar"``: its
+    matcher terminated on another token, ``"length"``: ``max_new`` tokens). ``eos`` is one stop
+    token or a collection of them, for every request whose ``RequestSpec.stop`` is None. Each
+    batch reports in ``Batch.ended`` the requests that finished since the last batch (they
+    appear in no later step), so a model can free their KV cache; requests that finish after the
+    last batch are left to the model's ``close()``.
     If the map cannot hold another step's slots, new prefills are held back (back-pressure).
     ``host_work_s`` seconds of host work per processed step stand in for T_cpu: a sleep (like
     work in C extensions that release the GIL), or with ``host_work_holds_gil`` a Python spin.
@@ -134,6 +141,7 @@ class ContinuousBatcher:
         self.n_requests = len(specs)
         self.running: list[_Req] = []
         self.outputs: dict[int, list[int]] = {}
+        self.finish_reasons: dict[int, str] = {}
         self.tick = 0
         self.extra_tokens = 0  # tokens sampled for already-finished requests, then discarded
         self._ended: list[int] = []  # finished requests not reported in a Batch yet
@@ -304,9 +312,21 @@ class ContinuousBatcher:
                     f"(after {len(r.out)} generated token(s)): the mask was not applied"
                 )
             r.out.append(tok)
-            if tok in self.stop or len(r.out) >= r.spec.max_new or (m is not None and m.is_terminated()):
-                r.finished = True
-                self.outputs[r.spec.rid] = r.out
+            stop = self.stop if r.spec.stop is None else r.spec.stop
+            if tok in stop:
+                self._finish(r, "stop")
+            elif m is not None and m.is_terminated():
+                self._finish(r, "grammar")
+            elif len(r.out) >= r.spec.max_new:
+                self._finish(r, "length")
+
+    def _finish(self, r: _Req, reason: str) -> None:
+        """``r`` finished (``reason``: one of :data:`FINISH_REASONS`): it leaves the running set at
+        the next :meth:`schedule`, which reports it in ``Batch.ended``; a token still in flight
+        for it is discarded (the extra step)."""
+        r.finished, r.reason = True, reason
+        self.outputs[r.spec.rid] = r.out
+        self.finish_reasons[r.spec.rid] = reason
 
     def build_mask(self, batch: Batch) -> np.ndarray:
         """The mask of the batch's delayed sampling requests (all of them for ``delayed=True``), in

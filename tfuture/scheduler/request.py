@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,9 @@ __all__ = ["RequestSpec", "check_params", "grammar_vocab"]
 class RequestSpec:
     """One request: id, arrival (in scheduler ticks), prompt ``[n]`` int64, length limit,
     grammar (False; True: the batcher's grammar; or a :class:`tfuture.grammars.Grammar` of its
-    own) and sampling parameters (None: the sampler's defaults, greedy)."""
+    own), sampling parameters (None: the sampler's defaults, greedy) and stop token ids (None:
+    the batcher's ``eos``; an empty collection: stop only at the length limit or the grammar's
+    end), kept as a frozenset."""
 
     rid: int
     arrival: int
@@ -25,6 +28,7 @@ class RequestSpec:
     max_new: int
     grammar: bool | Grammar = False
     params: SamplingParams | None = None
+    stop: Collection[int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("rid", "arrival", "max_new"):
@@ -46,6 +50,18 @@ class RequestSpec:
         if int(p.min()) < 0:
             raise ValueError(f"request {self.rid}: prompt token ids must be >= 0, got {int(p.min())}")
         object.__setattr__(self, "prompt", p.astype(np.int64, copy=False))
+        if self.stop is not None:
+            object.__setattr__(self, "stop", _stop_set(self.rid, self.stop))
+
+
+def _stop_set(rid: int, stop: object) -> frozenset[int]:
+    if isinstance(stop, str | bytes) or not isinstance(stop, Iterable):
+        raise TypeError(f"request {rid}: stop must be a collection of token ids or None, got {stop!r}")
+    ids = list(stop)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 0:
+            raise ValueError(f"request {rid}: stop token ids must be ints >= 0, got {t!r}")
+    return frozenset(int(t) for t in ids)
 
 
 def grammar_vocab(specs: list[RequestSpec], grammar: Grammar | None) -> int | None:

@@ -9,6 +9,9 @@ With ``--tp N`` and/or ``--pp N`` it runs tensor / pipeline parallel on ``N`` ra
 
     torchrun --nproc-per-node 2 -m tfuture.testing.demo --tp 2
     torchrun --nproc-per-node 2 -m tfuture.testing.demo --pp 2
+
+(``torchrun`` is ``python -m torch.distributed.run``: use the latter, with the virtualenv's python,
+when the virtualenv is not active.)
 """
 
 from __future__ import annotations
@@ -51,12 +54,20 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tfuture.testing.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--t-dev", type=float, default=4.0, help="device work per step, ms")
     p.add_argument("--ratios", default="1,0.5", help="T_cpu / T_dev values, comma separated")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=16, help="requests decoding at once")
+    p.add_argument("--steps", type=int, default=100, help="tokens each request decodes")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device (default: %(default)s)",
+    )
     p.add_argument("--gil", action="store_true", help="host work holds the GIL (a Python spin)")
     p.add_argument("--trace", default="tfuture-trace.json", help="Chrome trace of the first overlapped run")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (launch with torchrun)")

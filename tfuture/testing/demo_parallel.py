@@ -29,13 +29,19 @@ from tfuture.testing.tp import ParallelTransformer, split_round_robin
 __all__ = ["run_distributed_demo"]
 
 
+def _launcher() -> str:
+    """torchrun as this interpreter runs it (works without the virtualenv active)."""
+    return f"{sys.executable} -m torch.distributed.run"
+
+
 def run_distributed_demo(args: argparse.Namespace) -> int:
     """Run the demo on this rank (``args``: the demo's parsed flags); the exit status."""
     world = args.tp * args.pp
     if world > 1 and "RANK" not in os.environ:
+        launch = f"--nproc-per-node {world} -m tfuture.testing.demo --tp {args.tp} --pp {args.pp}"
         print(
-            f"--tp {args.tp} --pp {args.pp} needs {world} processes: launch with\n"
-            f"  torchrun --nproc-per-node {world} -m tfuture.testing.demo --tp {args.tp} --pp {args.pp}",
+            f"--tp {args.tp} --pp {args.pp} needs {world} processes: launch with\n  torchrun {launch}\n"
+            f"or, without the virtualenv active,\n  {_launcher()} {launch}",
             file=sys.stderr,
         )
         return 2
@@ -97,3 +103,16 @@ def run_distributed_demo(args: argparse.Namespace) -> int:
     finally:
         ctx.close()
     return 0
+
+
+if __name__ == "__main__":  # not an entry point of its own: say which one it is
+    parser = argparse.ArgumentParser(
+        prog="python -m tfuture.testing.demo_parallel",
+        usage="torchrun --nproc-per-node N -m tfuture.testing.demo --tp N | --pp N [options]",
+        description=__doc__
+        + "\nThis module is not run directly: its flags are those of python -m tfuture.testing.demo\n"
+        "(python -m tfuture.testing.demo --help lists them).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_known_args()
+    parser.error(f"run the parallel demo as: {_launcher()} --nproc-per-node 2 -m tfuture.testing.demo --tp 2")

@@ -1,0 +1,836 @@
+"""The front door: :class:`Engine` (submit, abort, stream, generate) and :func:`generate`.
+
+An engine owns one model, its :class:`tfuture.FutureMap`, a :class:`tfuture.sampling.Sampler`,
+an :class:`tfuture.OverlapRuntime` and a :class:`tfuture.scheduler.ServingScheduler`. Requests
+come as text (with a tokenizer) or token ids, with :class:`tfuture.scheduler.GenerationParams`.
+
+Who drives the runtime: one thread at a time. :meth:`Engine.generate` on an idle engine runs
+the runtime on the calling thread until the engine is idle again (exceptions re-raise there,
+Ctrl-C included, after the runtime released everything). :meth:`Engine.submit` and
+:meth:`Engine.stream` on an idle engine start a background thread that runs the runtime while
+there is work and ends when there is none (no thread waits idle); requests added while a run
+goes, from any thread, join that run. When a run fails, every live request finishes with
+reason ``"error"``: :meth:`Engine.generate` re-raises the exception (driving) or raises
+:class:`EngineError` from it (waiting), a stream raises :class:`EngineError` from it, and the
+engine stays usable for new requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from tfuture.core.future_map import FutureMap
+from tfuture.engine.detok import IncrementalDecoder, decode, encode, tokenizer_eos
+from tfuture.grammars.xgrammar import XGrammarCompiler
+from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
+from tfuture.scheduler.options import GenerationParams
+from tfuture.scheduler.request import RequestSpec
+from tfuture.scheduler.serving import (
+    Completion,
+    RequestTimings,
+    ServingScheduler,
+    TokenUpdate,
+    UpdateCallback,
+)
+from tfuture.streams.stats import RunStats
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "GenerateResult",
+    "OnTokens",
+    "RequestOutput",
+    "TokenStream",
+    "generate",
+]
+
+Prompt = str | Sequence[int] | np.ndarray
+OnTokens = Callable[["Engine", TokenUpdate], None]
+# generate()'s default cap on requests running at once (the KV pool's rows).
+MAX_RUNNING = 32
+# An idle Engine's KV rows for a Hugging Face model without max_len: the context, at most this.
+DEFAULT_MAX_LEN = 4096
+# Compiled grammars an engine keeps (by schema text), for requests that repeat a schema.
+_GRAMMAR_CACHE = 256
+
+
+class EngineError(RuntimeError):
+    """A run failed while a request's results were awaited; ``__cause__`` is the run's error."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one request produced: token ids (the stop token included), text (with a tokenizer:
+    the output's text, special tokens left out), why it finished (``"stop"``, ``"length"``,
+    ``"abort"``, ``"grammar"``, ``"error"``) and its host timings (``timings.ttft``,
+    ``timings.tpot``, ``timings.latency``)."""
+
+    rid: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    timings: RequestTimings
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    """:func:`generate`'s outputs in request order (the prompts', then requests added during
+    the call) and the run's :class:`tfuture.RunStats` (None when another thread drove the run;
+    merged when the call took more than one run). Indexable and iterable over the outputs."""
+
+    outputs: list[RequestOutput]
+    stats: RunStats | None
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return iter(self.outputs)
+
+    def __getitem__(self, i: int) -> RequestOutput:
+        return self.outputs[i]
+
+    def by_rid(self, rid: int) -> RequestOutput:
+        for o in self.outputs:
+            if o.rid == rid:
+                return o
+        raise KeyError(rid)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A checked request, not yet submitted."""
+
+    text: str | None
+    ids: np.ndarray
+    params: GenerationParams
+    spec_kw: dict[str, Any]
+
+
+class Engine:
+    """Serve one model: :meth:`submit`, :meth:`abort`, :meth:`stream`, :meth:`generate`.
+
+    Args:
+        model: a ``transformers`` causal LM (wrapped in :class:`tfuture.models.HFCausalLM` with
+            ``max_running`` KV rows of ``max_len`` positions), an ``HFCausalLM``, or any
+            tfuture :class:`tfuture.Model`.
+        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``: text prompts,
+            output text, and structured output (xgrammar compiles for it).
+        max_running: requests running at once (more wait).
+        max_len: positions per request (prompt plus ``max_tokens``), checked at submission.
+            Default for a Hugging Face model: its ``max_position_embeddings``, at most 4096;
+            for another model: unchecked.
+        overlap: False runs every step in sync (for A/B).
+        eos_token_id: the model's end tokens (an id or a list), the default stop tokens of
+            every request. Default: the model's ``generation_config.eos_token_id``, else its
+            ``config.eos_token_id`` (either may be a list), else the tokenizer's; ``()`` for none.
+        chunk, token_budget: prompt chunk and tokens per step (chunked prefill).
+        device: the map's device for a model that does not say (default: the model's).
+        vocab_size: the logits width, for a model that does not say (grammar masks).
+        history_rows: live requests with penalties at once (default ``max_running``).
+        stream, delay, trace: :class:`tfuture.OverlapRuntime`'s ``stream`` and ``trace`` and
+            the scheduler's ``delay`` (grammar rows).
+
+    Use it as a context manager, or call :meth:`close`: it aborts what is live and waits for
+    the background thread.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tokenizer: Any = None,
+        max_running: int = 8,
+        max_len: int | None = None,
+        overlap: bool = True,
+        eos_token_id: int | Iterable[int] | None = None,
+        chunk: int = 512,
+        token_budget: int = 2048,
+        device: str | torch.device | None = None,
+        vocab_size: int | None = None,
+        history_rows: int | None = None,
+        stream: str = "auto",
+        delay: str = "batch",
+        trace: bool = False,
+    ) -> None:
+        max_running = _count("max_running", max_running)
+        if max_len is not None:
+            max_len = _count("max_len", max_len)
+        self.model, self.max_len = _adapt(model, max_running, max_len)
+        self.tokenizer = tokenizer
+        self.vocab: int | None = vocab_size if vocab_size is not None else _vocab(self.model)
+        self.eos: tuple[int, ...] = _eos(eos_token_id, self.model, tokenizer)
+        rows = max_running if history_rows is None else history_rows
+        self.fmap = FutureMap(4 * max_running + 8, device=_device(self.model, device))
+        self.sampler = Sampler(history_rows=rows)
+        self.runtime = OverlapRuntime(
+            self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
+        )
+        self.scheduler = ServingScheduler(
+            self.fmap,
+            max_running=max_running,
+            chunk=chunk,
+            token_budget=token_budget,
+            delay=delay,
+            history_rows=rows,
+            retain=False,
+        )
+        self.max_running = max_running
+        self.last_stats: RunStats | None = None  # the last run that ended normally
+        self.last_error: BaseException | None = None  # the last run's failure
+        self._cond = threading.Condition(self.scheduler.lock)
+        self._ids = itertools.count()
+        self._driver: str | None = None  # None, "foreground" or "background"
+        self._thread: threading.Thread | None = None  # the background thread
+        self._driver_thread: threading.Thread | None = None  # the thread that drives the runtime
+        self._closed = False
+        self._local = threading.local()  # the generate() call whose on_tokens runs here
+        self._compiler: XGrammarCompiler | None = None
+        self._grammars: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self,
+        prompt: Prompt,
+        params: GenerationParams | None = None,
+        *,
+        callback: UpdateCallback | None = None,
+    ) -> int:
+        """Queue one request (thread-safe) and return its id. ``callback(update)`` hears its
+        :class:`TokenUpdate` s on the runtime's host thread (token ids only: see
+        :meth:`stream` for text). Starts the background thread if nothing drives the engine."""
+        prepared = self._prepare(prompt, params)
+        collector: _Collector | None = getattr(self._local, "collector", None)
+        return self._add_many([prepared], callback, collector)[0]
+
+    def abort(self, rid: int) -> bool:
+        """Abort request ``rid`` (thread-safe); False if it is not live. It finishes with reason
+        ``"abort"`` and the tokens processed so far, at the scheduler's next step."""
+        return self.scheduler.abort(rid)
+
+    def stream(self, prompts: Prompt | Sequence[Prompt], params: Any = None) -> TokenStream:
+        """Submit ``prompts`` and iterate over their :class:`TokenUpdate` s as they are processed:
+        ``for rid, tokens, finished in engine.stream(...)``, with ``update.text`` the new text
+        when the engine has a tokenizer. The iterator blocks on a queue (no busy waiting), ends
+        when every request finished, and aborts the requests left when closed early (``break``,
+        ``close()``, garbage collection, an exception in the loop body)."""
+        items = self._prepare_all(prompts, params)
+        q: queue.SimpleQueue[TokenUpdate] = queue.SimpleQueue()
+        return TokenStream(self, self._add_many(items, q.put, None), q)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: Any = None,
+        *,
+        on_tokens: OnTokens | None = None,
+        progress: bool | None = None,
+    ) -> GenerateResult:
+        """Run ``prompts`` to completion; their :class:`RequestOutput` s in order, then those of
+        requests that ``on_tokens`` submitted.
+
+        ``params``: one :class:`GenerationParams` for all, a list of one per prompt, or None
+        (the defaults). ``on_tokens(engine, update)`` hears every :class:`TokenUpdate` (with
+        ``text`` when there is a tokenizer) on the runtime's host thread; it may
+        :meth:`submit` requests (they join this call's outputs) and :meth:`abort` them.
+        ``progress``: a tqdm bar over requests (None: only when stderr is a terminal and the
+        call takes over a second, and only if tqdm is installed; True: always, needs tqdm).
+        """
+        items = self._prepare_all(prompts, params)
+        if not items:
+            return GenerateResult([], None)
+        bar = _progress_bar(progress, len(items))
+        col = _Collector(self, on_tokens, bar)
+        try:
+            self._check_not_driving("generate()")
+            with self._cond:
+                self._add_many(items, None, col, start=False)
+                drive = self._driver is None
+                if drive:
+                    self._driver, self._driver_thread = "foreground", threading.current_thread()
+            stats = self._drive() if drive else None
+            try:
+                col.wait()
+            except BaseException:
+                for rid in col.order:
+                    self.abort(rid)
+                raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return col.result(stats)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Abort every live request, refuse new ones, and wait for the background thread."""
+        with self._cond:
+            self._closed = True
+            for rid in self.scheduler.live:
+                self.scheduler.abort(rid)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def busy(self) -> bool:
+        """True while a thread drives the runtime."""
+        with self._cond:
+            return self._driver is not None
+
+    # ------------------------------------------------------------------ internals
+    def _prepare_all(self, prompts: Prompt | Sequence[Prompt], params: Any) -> list[_Prepared]:
+        plist = _prompt_list(prompts)
+        return [self._prepare(p, gp) for p, gp in zip(plist, _params_list(params, len(plist)), strict=True)]
+
+    def _prepare(self, prompt: Prompt, params: GenerationParams | None) -> _Prepared:
+        """Check and tokenize one request, compile its grammar, draw its seed: all before it is
+        queued, on the submitting thread."""
+        if params is None:
+            params = GenerationParams()
+        if not isinstance(params, GenerationParams):
+            raise TypeError(
+                "params must be a tfuture.scheduler.GenerationParams (it carries max_tokens and the stop "
+                f"tokens; SamplingParams is the sampler's), got {type(params).__name__}"
+            )
+        text: str | None = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...)")
+            text, ids = prompt, np.asarray(encode(self.tokenizer, prompt), dtype=np.int64)
+        else:
+            ids = _token_ids(prompt)
+        if not ids.size:
+            raise ValueError(f"the prompt is empty (a request needs at least one token): {prompt!r}")
+        if int(ids.min()) < 0 or (self.vocab is not None and int(ids.max()) >= self.vocab):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"prompt token id {bad} lies outside the model's vocabulary [0, {self.vocab})")
+        if self.max_len is not None and ids.size + params.max_tokens > self.max_len:
+            raise ValueError(
+                f"prompt of {ids.size} tokens + max_tokens={params.max_tokens} exceeds "
+                f"max_len={self.max_len} positions per request (build the engine with a larger "
+                "max_len, or ask for fewer tokens)"
+            )
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.eos)
+        kw: dict[str, Any] = {
+            "max_new": params.max_tokens,
+            "params": params.sampling_params(),
+            "stop": frozenset(stop),
+            "grammar": self._grammar(params) if params.structured else False,
+        }
+        g = kw["grammar"]
+        if g is not False and self.vocab is not None and g.vocab != self.vocab:
+            raise ValueError(
+                f"the request's grammar has vocab {g.vocab}, the model's logits have {self.vocab}"
+            )
+        return _Prepared(text, ids, params, kw)
+
+    def _grammar(self, params: GenerationParams) -> Any:
+        if params.grammar is not None and not isinstance(params.grammar, str):
+            return params.grammar
+        if self.tokenizer is None:
+            raise ValueError(
+                "structured output (json_schema or an EBNF grammar) needs a tokenizer: "
+                "Engine(model, tokenizer=...)"
+            )
+        if params.json_schema is not None:
+            schema = params.json_schema
+            key = "json:" + (schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+        else:
+            key = "ebnf:" + str(params.grammar)
+        with self._cond:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                return grammar
+            if self._compiler is None:
+                self._compiler = XGrammarCompiler(
+                    self.tokenizer, vocab_size=self.vocab, stop_token_ids=list(self.eos) or None
+                )
+            compiler = self._compiler
+        if params.json_schema is not None:
+            grammar = compiler.json_schema(params.json_schema)
+        else:
+            grammar = compiler.ebnf(str(params.grammar))
+        with self._cond:
+            if len(self._grammars) >= _GRAMMAR_CACHE:
+                self._grammars.clear()  # a server with ever new schemas: keep memory bounded
+            return self._grammars.setdefault(key, grammar)
+
+    def _add_many(
+        self,
+        items: list[_Prepared],
+        callback: UpdateCallback | None,
+        collector: _Collector | None,
+        start: bool = True,
+    ) -> list[int]:
+        """Give each request an id and queue it, all or none; then make sure a thread drives
+        the runtime (``start``)."""
+        rids: list[int] = []
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("this Engine is closed")
+            try:
+                for p in items:
+                    rid = next(self._ids)
+                    cb = callback if collector is None else collector.expect(rid, p.text, callback)
+                    self.scheduler.add(RequestSpec(rid, 0, p.ids, **p.spec_kw), cb)
+                    rids.append(rid)
+            except BaseException:
+                for rid in rids:  # queued already: they finish as aborted at the next step
+                    self.scheduler.abort(rid)
+                self._ensure_driver()
+                raise
+            if start:
+                self._ensure_driver()
+        return rids
+
+    def _ensure_driver(self) -> None:
+        """Under the lock: start the background thread unless a thread drives the runtime."""
+        if self._driver is None and self.scheduler.has_work():
+            self._driver = "background"
+            self._thread = threading.Thread(target=self._serve, name="tfuture-engine", daemon=True)
+            self._driver_thread = self._thread
+            self._thread.start()
+
+    def _check_not_driving(self, what: str) -> None:
+        """Raise on the thread that drives the runtime (a callback): waiting there would wait
+        for itself."""
+        if threading.current_thread() is self._driver_thread:
+            raise RuntimeError(
+                f"{what} waits for the engine's run, and this thread drives that run (a callback): "
+                "submit() requests here instead, and read their results elsewhere"
+            )
+
+    def _serve(self) -> None:
+        """The background thread: run while there is work, then end."""
+        while True:
+            with self._cond:
+                if not self.scheduler.has_work():
+                    self._driver, self._thread, self._driver_thread = None, None, None
+                    self._cond.notify_all()
+                    return
+            self._run(raise_error=False)
+
+    def _drive(self) -> RunStats | None:
+        """The foreground: run on this thread until the engine is idle."""
+        stats: RunStats | None = None
+        try:
+            while True:
+                stats = _merge(stats, self._run(raise_error=True))
+                with self._cond:
+                    if not self.scheduler.has_work():
+                        self._driver, self._driver_thread = None, None
+                        self._cond.notify_all()
+                        return stats
+        except BaseException:
+            with self._cond:
+                self._driver, self._driver_thread = None, None
+                self._ensure_driver()  # requests added by a callback while failing
+            raise
+
+    def _run(self, raise_error: bool) -> RunStats | None:
+        try:
+            with _run_context(self.fmap.device):
+                stats = self.runtime.run(self.scheduler)
+        except BaseException as e:
+            self.last_error = e
+            self.scheduler.fail(e)
+            if raise_error:
+                raise
+            return None
+        self.scheduler.end_run()
+        self.last_stats = stats
+        return stats
+
+
+class TokenStream:
+    """The iterator :meth:`Engine.stream` returns (see there); ``rids`` are its requests' ids.
+    Closing it (``close()``, ``with``, or dropping it) aborts the requests still running."""
+
+    def __init__(self, engine: Engine, rids: list[int], q: queue.SimpleQueue[TokenUpdate]) -> None:
+        self.engine, self.rids, self._q = engine, rids, q
+        self._open = set(rids)
+        tok = engine.tokenizer
+        self._decoders = {rid: IncrementalDecoder(tok) for rid in rids} if tok is not None else None
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> TokenUpdate:
+        if not self._open:
+            raise StopIteration
+        self.engine._check_not_driving("iterating a stream")
+        update = self._q.get()
+        if update.error is not None:
+            self.close()
+            raise EngineError(
+                f"the engine's run failed while request {update.rid} was live"
+            ) from update.error
+        if self._decoders is not None:
+            dec = self._decoders[update.rid]
+            text = dec.push(update.tokens) + (dec.flush() if update.finished else "")
+            update = replace(update, text=text)
+        if update.finished:
+            self._open.discard(update.rid)
+        return update
+
+    def close(self) -> None:
+        """Abort the requests of this stream that have not finished."""
+        left, self._open = self._open, set()
+        for rid in left:
+            self.engine.abort(rid)
+
+    def __enter__(self) -> TokenStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class _Collector:
+    """One :meth:`Engine.generate` call: its requests' completions, ``on_tokens``, the bar."""
+
+    def __init__(self, engine: Engine, on_tokens: OnTokens | None, bar: Any) -> None:
+        self.engine, self.on_tokens, self.bar = engine, on_tokens, bar
+        self.order: list[int] = []
+        self.texts: dict[int, str | None] = {}
+        self.done: dict[int, Completion] = {}
+        self.decoders: dict[int, IncrementalDecoder] = {}
+        self.error: BaseException | None = None
+
+    def expect(self, rid: int, text: str | None, also: UpdateCallback | None) -> UpdateCallback:
+        """Under the engine's lock: ``rid`` belongs to this call; its callback."""
+        self.order.append(rid)
+        self.texts[rid] = text
+        if self.bar is not None and len(self.order) > self.bar.total:
+            self.bar.total = len(self.order)
+            self.bar.refresh()
+
+        def callback(update: TokenUpdate) -> None:
+            try:
+                if also is not None:
+                    also(update)
+                if self.on_tokens is not None:
+                    self._call(update)
+            finally:
+                if update.finished:
+                    self._finished(update)
+
+        return callback
+
+    def _call(self, update: TokenUpdate) -> None:
+        assert self.on_tokens is not None
+        tok = self.engine.tokenizer
+        if tok is not None:
+            dec = self.decoders.get(update.rid)
+            if dec is None:
+                dec = self.decoders[update.rid] = IncrementalDecoder(tok)
+            text = dec.push(update.tokens) + (dec.flush() if update.finished else "")
+            update = replace(update, text=text)
+        local = self.engine._local
+        outer, local.collector = getattr(local, "collector", None), self
+        try:
+            self.on_tokens(self.engine, update)
+        finally:
+            local.collector = outer
+
+    def _finished(self, update: TokenUpdate) -> None:
+        assert update.completion is not None
+        with self.engine._cond:
+            self.done[update.rid] = update.completion
+            if update.error is not None and self.error is None:
+                self.error = update.error
+            self.decoders.pop(update.rid, None)
+            self.engine._cond.notify_all()
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def wait(self) -> None:
+        """Block (no polling) until every request of the call finished; raise if a run failed."""
+        with self.engine._cond:
+            while len(self.done) < len(self.order):
+                self.engine._cond.wait()
+        if self.error is not None:
+            raise EngineError("the engine's run failed during generate()") from self.error
+
+    def result(self, stats: RunStats | None) -> GenerateResult:
+        tok = self.engine.tokenizer
+        outs = []
+        for rid in self.order:
+            c = self.done[rid]
+            text = decode(tok, c.token_ids) if tok is not None else None
+            outs.append(
+                RequestOutput(
+                    rid, self.texts[rid], c.prompt_token_ids, c.token_ids, text, c.finish_reason, c.timings
+                )
+            )
+        return GenerateResult(outs, stats)
+
+
+def generate(
+    model: Any,
+    prompts: Prompt | Sequence[Prompt],
+    params: Any = None,
+    *,
+    tokenizer: Any = None,
+    overlap: bool = True,
+    on_tokens: OnTokens | None = None,
+    progress: bool | None = None,
+    max_running: int | None = None,
+    max_len: int | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
+    trace: bool = True,
+    **engine_kw: Any,
+) -> GenerateResult:
+    """Generate for ``prompts`` with ``model`` in three lines::
+
+        model = AutoModelForCausalLM.from_pretrained(...); tok = AutoTokenizer.from_pretrained(...)
+        out = tfuture.generate(model, ["Hello"], GenerationParams(max_tokens=32), tokenizer=tok)
+        print(out[0].text, out[0].finish_reason, out[0].timings.ttft, out.stats.summary())
+
+    ``model``: a ``transformers`` causal LM (wrapped in :class:`tfuture.models.HFCausalLM`),
+    an ``HFCausalLM``, or any tfuture :class:`tfuture.Model`. ``prompts``: strings (need
+    ``tokenizer``) or token id lists, or one of either. ``params``: a
+    :class:`tfuture.scheduler.GenerationParams` for all, one per prompt, or None (vLLM's
+    defaults: temperature 1, 16 tokens). ``max_running`` defaults to the number of prompts (at
+    most 32) and ``max_len`` to the longest prompt plus its ``max_tokens`` (requests that
+    ``on_tokens`` submits must fit). ``overlap=False`` runs in sync (A/B). ``on_tokens``,
+    ``progress``: see :meth:`Engine.generate`; ``engine_kw``: :class:`Engine`'s other options.
+
+    Builds the engine (future map, KV pool, sampler, scheduler), runs on the calling thread,
+    and returns a :class:`GenerateResult`: per request ``token_ids``, ``text`` (with a
+    tokenizer), ``finish_reason`` and ``timings``, and the run's ``stats``.
+    """
+    plist = _prompt_list(prompts)
+    gp = _params_list(params, len(plist))
+    if not plist:
+        return GenerateResult([], None)
+    if max_running is None:
+        max_running = min(len(plist), MAX_RUNNING)
+    if max_len is None and not _is_adapter(model):
+        lens = [
+            len(encode(tokenizer, p)) if isinstance(p, str) and tokenizer is not None else _len(p)
+            for p in plist
+        ]
+        max_len = max(
+            n + (g if g is not None else GenerationParams()).max_tokens for n, g in zip(lens, gp, strict=True)
+        )
+    engine = Engine(
+        model,
+        tokenizer=tokenizer,
+        max_running=max_running,
+        max_len=max_len,
+        overlap=overlap,
+        eos_token_id=eos_token_id,
+        trace=trace,
+        **engine_kw,
+    )
+    with engine:
+        return engine.generate(plist, gp, on_tokens=on_tokens, progress=progress)
+
+
+# ---------------------------------------------------------------------- helpers
+def _count(name: str, v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return int(v)
+
+
+def _is_adapter(model: object) -> bool:
+    """Whether ``model`` is an :class:`tfuture.models.HFCausalLM` (without importing the hf extra)."""
+    hf = sys.modules.get("tfuture.models.hf")
+    return hf is not None and isinstance(model, hf.HFCausalLM)
+
+
+def _is_hf_model(model: object) -> bool:
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int | None]:
+    """The model the runtime drives, and the positions a request may use (None: unchecked)."""
+    if _is_adapter(model):
+        pool = model.pool
+        if pool.n_rows < max_running:
+            raise ValueError(
+                f"the HFCausalLM has {pool.n_rows} KV rows (max_requests), fewer than "
+                f"max_running={max_running}"
+            )
+        if max_len is not None and max_len > pool.max_len:
+            raise ValueError(
+                f"max_len={max_len} exceeds the HFCausalLM's KV rows of {pool.max_len} positions"
+            )
+        return model, max_len or pool.max_len
+    if _is_hf_model(model):
+        if max_len is None:
+            ctx = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN
+            max_len = min(int(ctx), DEFAULT_MAX_LEN)
+        from tfuture.models.hf import HFCausalLM  # the hf extra: only when a HF model is given
+
+        return HFCausalLM(model, max_requests=max_running, max_len=max_len), max_len
+    if not callable(getattr(model, "forward", None)):
+        raise TypeError(
+            "model must be a transformers PreTrainedModel, a tfuture.models.HFCausalLM or a tfuture Model "
+            f"(forward(batch) -> logits), got {type(model).__name__}"
+        )
+    return model, max_len
+
+
+def _vocab(model: Any) -> int | None:
+    for name in ("vocab", "vocab_size"):
+        v = getattr(model, name, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _ids_of(value: object, what: str) -> tuple[int, ...]:
+    items = [value] if isinstance(value, int | np.integer) else value
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise TypeError(f"{what} must be a token id or a list of them, got {value!r}")
+    ids = tuple(int(t) for t in items)
+    if any(t < 0 for t in ids):
+        raise ValueError(f"{what} must be token ids >= 0, got {list(ids)}")
+    return ids
+
+
+def _eos(explicit: object, model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The end tokens: ``explicit``, else the model's (generation config, then config), else
+    the tokenizer's."""
+    if explicit is not None:
+        return _ids_of(explicit, "eos_token_id")
+    src = model.model if _is_adapter(model) else model
+    for holder in (getattr(src, "generation_config", None), getattr(src, "config", None), src):
+        eos = getattr(holder, "eos_token_id", None) if holder is not None else None
+        if eos is not None:
+            return _ids_of(eos, "the model's eos_token_id")
+    return tokenizer_eos(tokenizer) if tokenizer is not None else ()
+
+
+def _device(model: Any, device: str | torch.device | None) -> torch.device:
+    if _is_adapter(model):
+        return model.pool.k.device
+    if device is not None:
+        return torch.device(device)
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device | str):
+        return torch.device(dev)
+    params = getattr(model, "parameters", None)
+    if callable(params):
+        p = next(iter(params()), None)
+        if p is not None:
+            return p.device
+    return torch.device("cpu")
+
+
+def _token_ids(prompt: object) -> np.ndarray:
+    if isinstance(prompt, np.ndarray):
+        a = prompt
+    elif isinstance(prompt, list | tuple):
+        a = np.asarray(prompt) if len(prompt) else np.empty(0, dtype=np.int64)
+    else:
+        raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise TypeError(f"a token-id prompt must be a flat list of ints, got {a.dtype} of shape {a.shape}")
+    return a.astype(np.int64, copy=False)
+
+
+def _len(prompt: Prompt) -> int:
+    if isinstance(prompt, str):
+        raise ValueError("a text prompt needs a tokenizer: pass tokenizer=...")
+    return int(_token_ids(prompt).size)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A list of prompts: one str or one token-id list/array becomes a list of one."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, np.ndarray):
+        return [prompts] if prompts.ndim == 1 else list(prompts)
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those, got {prompts!r}")
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt of token ids
+    return items
+
+
+def _params_list(params: Any, n: int) -> list[GenerationParams | None]:
+    if params is None or isinstance(params, GenerationParams):
+        return [params] * n
+    if isinstance(params, Sequence) and not isinstance(params, str):
+        if len(params) != n:
+            raise ValueError(
+                f"params has {len(params)} entries for {n} prompts (one per prompt, or one for all)"
+            )
+        return list(params)
+    raise TypeError(
+        "params must be a GenerationParams, a list of them (one per prompt) or None, got "
+        f"{type(params).__name__}"
+    )
+
+
+def _progress_bar(progress: bool | None, total: int) -> Any:
+    """A tqdm bar over requests: ``None`` only on a terminal and for calls over a second."""
+    if progress is False:
+        return None
+    if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        if progress:
+            raise ImportError("generate(progress=True) needs tqdm: pip install tqdm") from None
+        return None
+    return tqdm(total=total, unit="req", desc="tfuture.generate", delay=0.0 if progress else 1.0)
+
+
+@contextlib.contextmanager
+def _run_context(device: torch.device) -> Iterator[None]:
+    """A run's thread state: inference mode, and the map's CUDA device current."""
+    with torch.inference_mode():
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                yield
+        else:
+            yield
+
+
+def _merge(a: RunStats | None, b: RunStats | None) -> RunStats | None:
+    """One :class:`RunStats` for consecutive runs."""
+    if a is None or b is None:
+        return a if b is None else b
+    out = RunStats(
+        mode=a.mode,
+        steps=a.steps + b.steps,
+        tokens=a.tokens + b.tokens,
+        wall=a.wall + b.wall,
+        host_spans=a.host_spans + b.host_spans,
+        device_spans=a.device_spans + b.device_spans,
+    )
+    out.account()
+    return out
