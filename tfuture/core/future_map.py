@@ -23,6 +23,7 @@ from tfuture.kernels._common import (
     check_vector,
     narrows,
 )
+from tfuture.kernels.cpu import pin_host_view
 from tfuture.kernels.resolve import (
     PreparedInputs,
     launch_prepare,
@@ -68,6 +69,12 @@ class FutureMap(SlotPool):
         # "cuda" becomes "cuda:0": tensors report an indexed device, and comparisons must match.
         self.device = self.token_map.device
         self.err: torch.Tensor = torch.zeros(ERR_LEN, dtype=torch.int64, device=self.device)
+        # An int32 map narrows int64 tokens (checked on the host for CPU tokens).
+        self._narrow32: bool = narrows(dtype, torch.int64)
+        if self.device.type == "cpu":
+            # The map owns these buffers and never resizes them: the numpy path may keep views.
+            pin_host_view(self.token_map)
+            pin_host_view(self.err)
         # Called around every bookkeeping call and launch; only debug mode's checks do anything.
         self._checks: SlotChecker = SlotStates(self.token_map, self.err) if debug else NO_CHECKS
         # Where debug-mode device effects of alloc/release run; a runtime points it at its
@@ -93,13 +100,16 @@ class FutureMap(SlotPool):
 
     def alloc(self, n: int) -> FutureIndices:
         """A handle on ``n`` fresh slots (``n`` may be 0). Raises :class:`FutureMapFull`."""
-        fi = super().alloc(n)
+        fi = SlotPool.alloc(self, n)
         self._checks.on_alloc(fi, self.device_exec)
         return fi
 
     def release(self, fi: FutureIndices) -> None:
         """Drop ``fi``'s references; slots with no reference left become reusable."""
-        self.check_handle(fi, "release")
+        # One guard for a live handle of this map (outside debug mode); anything else takes
+        # every check with its message.
+        if type(fi) is not FutureIndices or fi._pool is not self or fi._released or fi._gens is not None:
+            self.check_handle(fi, "release")
         checks = self._checks
         # Only a checker that wants them pays for the freed slots (a hot-path cost).
         checks.on_release(fi.drop_references(want_freed=checks.wants_freed), self.device_exec)
@@ -114,28 +124,33 @@ class FutureMap(SlotPool):
         past int32 raises ``ValueError`` here; on CUDA (no sync) the store writes 0 and flags it,
         like a negative token, and :meth:`check` (or the runtime's next sync) raises.
         """
-        self.check_handle(fi, "store")
+        if type(fi) is not FutureIndices or fi._pool is not self or fi._released or fi._gens is not None:
+            self.check_handle(fi, "store")
         check_vector("tokens", tokens)
         if tokens.device != self.device:  # the map's own device object: no second one to build
             check_same_device("tokens", tokens, "the FutureMap", self.token_map)
-        if tokens.numel() != len(fi):
-            raise ValueError(f"store expects {len(fi)} tokens (one per slot), got {tokens.numel()}")
-        if fi.has_duplicates():
+        n = fi._n
+        if tokens.numel() != n:
+            raise ValueError(f"store expects {n} tokens (one per slot), got {tokens.numel()}")
+        if fi._dups is not False and fi.has_duplicates():
             raise ValueError("store expects a handle with distinct slots, got one naming a slot twice")
-        if len(fi) == 0:
+        if n == 0:
             return
-        if not tokens.is_cuda and narrows(self.dtype, tokens.dtype):
+        is_cuda = tokens.is_cuda
+        if not is_cuda and self._narrow32 and tokens.dtype == torch.int64:
             _check_fits(tokens.numpy(), self.dtype)
         checks = self._checks
         checks.before_store(fi, tokens)
-        if tokens.is_cuda:
+        if is_cuda:
             tokens.record_stream(torch.cuda.current_stream(tokens.device))
-        span = fi.span
-        if span is not None:
+        start = fi._start
+        if start >= 0:
             # tokens were checked above; the map and the handle's slots are the map's own.
-            launch_store(self.token_map, span, tokens, self.err)
+            launch_store(self.token_map, range(start, start + n), tokens, self.err)
         else:
-            dev_slots = torch.from_numpy(np.array(fi.slots)).to(self.device, non_blocking=True)
+            dev_slots = torch.from_numpy(fi._array())
+            if is_cuda:
+                dev_slots = dev_slots.to(self.device, non_blocking=True)
             launch_store(self.token_map, dev_slots, tokens, self.err)
         checks.after_store(fi, tokens)
 

@@ -10,6 +10,12 @@ slot exactly once.
 Numpy only (torch just builds the device tensor of ``placeholders()``), no per-slot Python
 loop. A fresh handle whose slots are one run stays lazy, ``(start, n)`` with no slot array,
 until something asks for its slots: the common decode step never builds one.
+
+The hot path (alloc, filter by a host bool mask, placeholders, release) is a few vectorised
+numpy operations on the pool's own arrays: a run's references are one slice, a mask filter of a
+run adds the mask to that slice, and a release counts the references left with
+``np.count_nonzero`` instead of searching for zeros. A handle the pool made is checked by one
+guard (live, not in debug mode); anything else takes the full checks with their messages.
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ import torch
 
 from tfuture.core.checks import as_count, host_index
 from tfuture.core.errors import FutureError, FutureMapFull
+
+_BOOL = np.dtype(np.bool_)
+_count_nonzero = np.count_nonzero
+# A 0-d operand: in-place arithmetic with it skips the Python scalar's conversion (about half
+# the cost of ``run -= 1``).
+_ONE = np.ones((), dtype=np.int64)
 
 
 class SlotPool:
@@ -48,6 +60,8 @@ class SlotPool:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity: int = int(capacity)
         self.device: torch.device = torch.device("cpu") if device is None else device
+        # Placeholders of a CPU pool are made by numpy (the device's type never changes).
+        self._on_cpu: bool = torch.device(self.device).type == "cpu"
         self.dtype: torch.dtype = dtype
         # refs[s] = live handles naming slot s; slot 0 is pinned so it is never free.
         # int64: np.add.at with a Python int takes its fast path only on a matching dtype.
@@ -56,6 +70,8 @@ class SlotPool:
         self._in_use: int = 0
         self._head: int = 1
         self._gen: np.ndarray | None = np.zeros(self.capacity + 1, dtype=np.int64) if generations else None
+        # Slot numbers 0..capacity: a run's slot array is a slice of it (never written).
+        self._iota: np.ndarray = np.arange(self.capacity + 1, dtype=np.int64)
 
     @property
     def in_use(self) -> int:
@@ -75,38 +91,52 @@ class SlotPool:
 
     def alloc(self, n: int) -> FutureIndices:
         """A handle on ``n`` fresh slots (``n`` may be 0). Raises :class:`FutureMapFull`."""
-        n = as_count("alloc", n, "slot count")
-        if n > self.capacity - self._in_use:
+        if type(n) is not int or n < 1:
+            n = as_count("alloc", n, "slot count")
+        cap = self.capacity
+        if n > cap - self._in_use:
             raise FutureMapFull(
-                f"FutureMap full: asked for {n} slots, {self._in_use} of {self.capacity} in use "
-                f"({self.capacity - self._in_use} free); release handles or raise capacity"
+                f"FutureMap full: asked for {n} slots, {self._in_use} of {cap} in use "
+                f"({cap - self._in_use} free); release handles or raise capacity"
             )
         if n == 0:
             return FutureIndices(self, np.empty(0, dtype=np.int64), -1, 0, False, self._gens_of(None, 0, 0))
-        refs, start = self._refs, self._head
-        if start + n > self.capacity + 1:
-            start = 1
-        run = refs[start : start + n]
-        slots: np.ndarray | None = None
-        if not run.any():
-            run[:] = 1
-            last = start + n - 1
-        else:
-            # Fragmented: take the first free slots at or after the head, wrapping around.
-            free = np.flatnonzero(refs == 0)
-            first = np.searchsorted(free, self._head)
-            slots = np.concatenate([free[first:], free[:first]])[:n]
-            if slots.size != n:
-                raise RuntimeError(f"FutureMap bookkeeping corrupt: {slots.size} free slots, {n} expected")
-            refs[slots] = 1
-            start, last = -1, int(slots[-1])
+        start = self._head
+        stop = start + n
+        if stop > cap + 1:
+            start, stop = 1, n + 1
+        run = self._refs[start:stop]
+        if _count_nonzero(run):
+            return self._alloc_fragmented(n)
+        run.fill(1)
+        self._in_use += n
+        self._head = stop if stop <= cap else 1
+        gen = self._gen
+        gens = None
+        if gen is not None:
+            g = gen[start:stop]
+            g += 1
+            gens = g.copy()
+        return FutureIndices(self, None, start, n, False, gens)
+
+    def _alloc_fragmented(self, n: int) -> FutureIndices:
+        """Take the first free slots at or after the head, wrapping around."""
+        refs = self._refs
+        free = np.flatnonzero(refs == 0)
+        first = np.searchsorted(free, self._head)
+        slots = np.concatenate([free[first:], free[:first]])[:n]
+        if slots.size != n:
+            raise RuntimeError(f"FutureMap bookkeeping corrupt: {slots.size} free slots, {n} expected")
+        refs[slots] = 1
+        last = int(slots[-1])
         self._in_use += n
         self._head = last + 1 if last < self.capacity else 1
-        return FutureIndices(self, slots, start, n, False, self._gens_of(slots, start, n))
+        return FutureIndices(self, slots, -1, n, False, self._gens_of(slots, -1, n))
 
     def release(self, fi: FutureIndices) -> None:
         """Drop ``fi``'s references; slots with no reference left become reusable."""
-        self.check_handle(fi, "release")
+        if type(fi) is not FutureIndices or fi._pool is not self or fi._released or fi._gens is not None:
+            self.check_handle(fi, "release")
         fi.drop_references()
 
     def release_live(self, handles: list[FutureIndices]) -> None:
@@ -127,23 +157,28 @@ class SlotPool:
         """Drop one reference on slots ``start .. start + n - 1``; the freed slots if asked."""
         run = self._refs[start : start + n]
         run -= 1
-        zero = run == 0
         if want_freed:
-            freed = np.flatnonzero(zero) + start
+            freed = np.flatnonzero(run == 0) + start
             self._in_use -= int(freed.size)
             return freed
-        self._in_use -= int(np.count_nonzero(zero))
+        self._in_use -= n - int(_count_nonzero(run))
         return None
 
     def unref(self, slots: np.ndarray, distinct: bool, want_freed: bool) -> np.ndarray | None:
         """Drop one reference per entry of ``slots``; the freed slots (distinct) if asked."""
         refs = self._refs
         if distinct:
-            refs[slots] -= 1
-            freed = slots[refs[slots] == 0]
-        else:
-            np.subtract.at(refs, slots, 1)
-            freed = _unique(slots[refs[slots] == 0])
+            left = refs[slots]
+            left -= 1
+            refs[slots] = left
+            if want_freed:
+                freed = slots[left == 0]
+                self._in_use -= int(freed.size)
+                return freed
+            self._in_use -= slots.size - int(_count_nonzero(left))
+            return None
+        np.subtract.at(refs, slots, 1)
+        freed = _unique(slots[refs[slots] == 0])
         self._in_use -= int(freed.size)
         return freed if want_freed else None
 
@@ -182,7 +217,7 @@ class FutureIndices:
     handle back with ``FutureMap.release``.
     """
 
-    __slots__ = ("_dups", "_gens", "_n", "_pool", "_released", "_slots", "_start")
+    __slots__ = ("_base", "_dups", "_gens", "_n", "_pool", "_released", "_slots", "_start", "_weights")
 
     def __init__(
         self,
@@ -200,6 +235,10 @@ class FutureIndices:
         self._dups = dups  # does a slot appear twice? None: not computed yet
         self._gens = gens  # debug: each slot's allocation generation when this handle was made
         self._released = False
+        # A mask filter of a fresh run: its references are ``weights`` (int64 0/1, the mask)
+        # added to the run's counts at ``base``; release subtracts them the same way.
+        self._base = -1
+        self._weights: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self._n
@@ -216,10 +255,13 @@ class FutureIndices:
         return view
 
     def _array(self) -> np.ndarray:
-        """The slot array itself (built on first use for a lazy run); never handed out."""
-        if self._slots is None:
-            self._slots = np.arange(self._start, self._start + self._n, dtype=np.int64)
-        return self._slots
+        """The slot array itself (a slice of the pool's slot numbers for a run); never handed
+        out, never written."""
+        slots = self._slots
+        if slots is None:
+            start = self._start
+            slots = self._slots = self._pool._iota[start : start + self._n]
+        return slots
 
     @property
     def span(self) -> range | None:
@@ -247,10 +289,9 @@ class FutureIndices:
 
     def host_placeholders(self) -> np.ndarray:
         """``[n]`` int64 host array of ``-slot``, for building a mixed token stream on the host."""
-        self.check_live("host_placeholders")
-        if self._slots is None:
-            return np.arange(-self._start, -self._start - self._n, -1, dtype=np.int64)
-        return -self._slots
+        if self._released or self._gens is not None:
+            self.check_live("host_placeholders")
+        return -self._array()
 
     def placeholders(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[n]`` device tensor of ``-slot`` (default dtype: the map's), made without a sync.
@@ -259,11 +300,18 @@ class FutureIndices:
         into tokens). It is allocated on the current stream; reading it on another stream
         needs ``record_stream`` (the runtime does this for you).
         """
-        self.check_live("placeholders")
-        dtype = self._pool.dtype if dtype is None else dtype
-        if dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"placeholders dtype must be torch.int32 or torch.int64, got {dtype}")
-        dev = self._pool.device
+        if self._released or self._gens is not None:
+            self.check_live("placeholders")
+        pool = self._pool
+        if dtype is None:
+            dtype = pool.dtype
+        elif dtype is not torch.int64 and dtype is not torch.int32:
+            if dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"placeholders dtype must be torch.int32 or torch.int64, got {dtype}")
+        if pool._on_cpu:
+            neg = -self._array()  # a fresh array: the tensor owns its memory
+            return torch.from_numpy(neg if dtype is torch.int64 else neg.astype(np.int32))
+        dev = pool.device
         if self._start >= 0:
             return torch.arange(-self._start, -self._start - self._n, -1, dtype=dtype, device=dev)
         return torch.from_numpy(-self._array()).to(device=dev, dtype=dtype, non_blocking=True)
@@ -280,14 +328,39 @@ class FutureIndices:
         The new handle holds its own reference on its slots and must be released too. A device
         ``keep`` is copied to the host (a sync); pass host masks on the hot path.
         """
-        self.check_live("filter")
-        idx = host_index(keep, self._n)
-        slots = self._array()[idx]
-        # A mask keeps a duplicate-free handle duplicate-free; indices may repeat rows.
-        dups = False if idx.dtype == np.bool_ and self._dups is False else None
-        self._pool.retain(slots, dups is False)
+        if self._released or self._gens is not None:
+            self.check_live("filter")
+        n = self._n
+        if type(keep) is np.ndarray and keep.dtype is _BOOL and keep.ndim == 1 and keep.shape[0] == n:
+            idx = keep
+        else:
+            idx = host_index(keep, n)
+        pool = self._pool
+        start = self._start
         gens = None if self._gens is None else self._gens[idx]
-        return FutureIndices(self._pool, slots, -1, int(slots.size), dups, gens)
+        if idx.dtype is _BOOL:
+            if start >= 0:
+                # A mask over a fresh run: one more reference on the kept slots is the mask
+                # itself (as int64 weights: no cast in the adds), added to the run's counts.
+                slots = pool._iota[start : start + n][idx]
+                weights = idx.astype(np.int64)
+                if n == 1:
+                    refs = pool._refs
+                    refs[start] = refs.item(start) + int(weights[0])  # scalar, as in a release
+                else:
+                    run = pool._refs[start : start + n]
+                    run += weights
+                fi = FutureIndices(pool, slots, -1, slots.shape[0], False, gens)
+                fi._base, fi._weights = start, weights
+                return fi
+            slots = self._slots[idx]  # type: ignore[index]
+            # A mask keeps a duplicate-free handle duplicate-free.
+            dups = False if self._dups is False else None
+        else:
+            slots = self._array()[idx]
+            dups = None
+        pool.retain(slots, dups is False)
+        return FutureIndices(pool, slots, -1, int(slots.size), dups, gens)
 
     @classmethod
     def cat(cls, handles: Sequence[FutureIndices]) -> FutureIndices:
@@ -299,14 +372,19 @@ class FutureIndices:
         for h in handles:
             if not isinstance(h, FutureIndices):
                 raise TypeError(f"cat expects FutureIndices, got {type(h).__name__}")
-            h.check_live("cat")
+            if h._released or h._gens is not None:
+                h.check_live("cat")
         pool = handles[0]._pool
-        for h in handles[1:]:
+        for h in handles:
             if h._pool is not pool:
                 raise ValueError("cat expects handles of one FutureMap, got handles of two maps")
-        slots = np.concatenate([h._array() for h in handles])
-        parts = [h for h in handles if len(h)]
-        dups = parts[0]._dups if len(parts) == 1 else (False if not parts else None)
+        parts = [h for h in handles if h._n]
+        if len(parts) == 1:
+            slots = parts[0]._array().copy()
+            dups = parts[0]._dups
+        else:
+            slots = np.concatenate([h._array() for h in handles]) if parts else np.empty(0, dtype=np.int64)
+            dups = None if parts else False
         pool.retain(slots, dups is False)
         gens = None
         if all(h._gens is not None for h in handles):
@@ -333,11 +411,64 @@ class FutureIndices:
         The pool's ``release`` calls this after its checks: call ``FutureMap.release`` instead.
         """
         self._released = True
-        if self._n == 0:
+        n = self._n
+        if n == 0:
             return np.empty(0, dtype=np.int64) if want_freed else None
-        if self._start >= 0:
-            return self._pool.unref_run(self._start, self._n, want_freed)
-        return self._pool.unref(self._array(), not self.has_duplicates(), want_freed)
+        pool = self._pool
+        start = self._start
+        if start >= 0:
+            if n == 1 and not want_freed:
+                # One slot: scalar arithmetic (an in-place ufunc on one element costs twice
+                # what it costs on two: numpy's overlap check).
+                refs = pool._refs
+                left = refs.item(start) - 1
+                refs[start] = left
+                if not left:
+                    pool._in_use -= 1
+                return None
+            run = pool._refs[start : start + n]
+            run -= _ONE
+            if want_freed:
+                freed = np.flatnonzero(run == 0) + start
+                pool._in_use -= int(freed.size)
+                return freed
+            pool._in_use -= n - int(_count_nonzero(run))
+            return None
+        slots = self._slots
+        weights = self._weights
+        if weights is not None:
+            # Subtract the weights from the run's counts; the slots freed are the counts that
+            # went from nonzero to zero (counts only fall here): two counts, no gather.
+            base = self._base
+            if weights.shape[0] == 1 and not want_freed:
+                refs = pool._refs
+                left = refs.item(base) - 1  # one slot, kept (n > 0): scalar arithmetic, as above
+                refs[base] = left
+                if not left:
+                    pool._in_use -= 1
+                return None
+            run = pool._refs[base : base + weights.shape[0]]
+            if want_freed:
+                run -= weights
+                freed = slots[pool._refs[slots] == 0]  # type: ignore[index]
+                pool._in_use -= int(freed.size)
+                return freed
+            live = _count_nonzero(run)
+            run -= weights
+            pool._in_use -= int(live - _count_nonzero(run))
+            return None
+        if self._dups is False or not self.has_duplicates():
+            refs = pool._refs
+            left = refs[slots]
+            left -= _ONE
+            refs[slots] = left
+            if want_freed:
+                freed = slots[left == 0]  # type: ignore[index]
+                pool._in_use -= int(freed.size)
+                return freed
+            pool._in_use -= n - int(_count_nonzero(left))
+            return None
+        return pool.unref(slots, False, want_freed)  # type: ignore[arg-type]
 
 
 def _unique(a: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ Outputs are passed in explicitly, so this module imports no kernel family (no cy
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import TypeAlias
 
@@ -20,14 +21,47 @@ from torch import Tensor
 from tfuture.kernels._common import INT32_MAX, INT32_MIN, Slots, narrows, search_steps
 from tfuture.kernels._field_layout import as_words
 
+# 0-d operands: a comparison with one skips the Python scalar's conversion (about half the cost).
+_ZERO64, _ZERO32 = np.zeros((), dtype=np.int64), np.zeros((), dtype=np.int32)
+
 Tensors: TypeAlias = Sequence[Tensor]
 Err: TypeAlias = Tensor | None
+
+
+# Host views of buffers whose owner never resizes them (a FutureMap's token map and error
+# flag): ``t.numpy()`` costs about 0.5 us a call, a look-up here a fifth of that. Keyed by id,
+# checked by identity (an id is reused only after its tensor died, and its entry dies with it).
+# Each entry keeps the view and its reverse without row 0, ``view[:0:-1]``: there index ``-s``
+# is row ``s`` (see :func:`resolve_`).
+_VIEWS: dict[int, tuple[weakref.ref[Tensor], np.ndarray, np.ndarray]] = {}
+
+
+def pin_host_view(t: Tensor) -> None:
+    """Keep ``t.numpy()`` for the numpy path (CPU ``t`` only); the caller promises never to
+    resize ``t`` or swap its storage. The view is dropped when ``t`` dies."""
+    key = id(t)
+
+    def forget(ref: weakref.ref[Tensor], key: int = key) -> None:
+        entry = _VIEWS.get(key)
+        if entry is not None and entry[0] is ref:
+            del _VIEWS[key]
+
+    view = t.numpy()
+    _VIEWS[key] = (weakref.ref(t, forget), view, view[:0:-1])
+
+
+def host_view(t: Tensor) -> np.ndarray:
+    """``t.numpy()``, from the pinned views when ``t`` has one."""
+    entry = _VIEWS.get(id(t))
+    if entry is not None and entry[0]() is t:
+        return entry[1]
+    return t.numpy()
 
 
 def _flag(err: Err, bad: np.ndarray, values: np.ndarray) -> None:
     """The kernels' error flag: ``err[0] += count(bad)``, ``err[1] = min(err[1], values[bad])``."""
     if err is not None and bad.any():
-        e = err.numpy()
+        e = host_view(err)
         e[0] += int(bad.sum())
         e[1] = min(int(e[1]), int(values[bad].min()))
 
@@ -64,7 +98,27 @@ def _resolve_np(ids: np.ndarray, token_map: np.ndarray, err: Err, fit32: bool = 
 
 def resolve_(ids: Tensor, token_map: Tensor, err: Err) -> Tensor:
     """In place: every placeholder ``-s`` in ``ids`` with ``1 <= s < n_slots`` -> ``token_map[s]``."""
-    _resolve_np(ids.numpy(), token_map.numpy(), err, narrows(ids.dtype, token_map.dtype))
+    a = ids.numpy()
+    entry = _VIEWS.get(id(token_map))
+    if entry is not None and entry[0]() is token_map:
+        m, back = entry[1], entry[2]
+    else:
+        m = token_map.numpy()
+        back = m[:0:-1]
+    if a.itemsize >= m.itemsize and m.size <= INT32_MAX:
+        # No output narrowing: the common case in a few numpy ops. ``back`` is the map reversed
+        # without row 0, so index ``-s`` (a placeholder as it is) reads row ``s`` for every
+        # slot 1 <= s < n_slots, and any other negative id (the dtype minimum included: it
+        # lies past any map this small) is out of range: numpy's gather then raises IndexError
+        # before anything is written, so a bad placeholder is never read. The checked path
+        # below handles and flags it.
+        neg = a < (_ZERO64 if a.itemsize == 8 else _ZERO32)
+        try:
+            a[neg] = back[a[neg]]
+            return ids
+        except IndexError:
+            pass
+    _resolve_np(a, m, err, narrows(ids.dtype, token_map.dtype))
     return ids
 
 
@@ -180,7 +234,16 @@ def _slot_rows(
 
 def store(token_map: Tensor, slots: Slots, values: Tensor, err: Err) -> None:
     """``token_map[slots[i]] = values[i]`` where ``1 <= slots[i] < n_slots``; the rest is flagged."""
-    dst, vals = token_map.numpy(), values.numpy()
+    entry = _VIEWS.get(id(token_map))
+    dst = entry[1] if entry is not None and entry[0]() is token_map else token_map.numpy()
+    vals = values.numpy()
+    if type(slots) is range and vals.size and dst.itemsize >= vals.itemsize:
+        # A run inside the map, no token narrowed, every token >= 0 (the minimum, by argmin:
+        # a third of a ufunc reduction's cost): one slice assignment.
+        start, stop = slots.start, slots.stop
+        if start >= 1 and stop <= dst.size and vals[int(vals.argmin())] >= 0:
+            dst[start:stop] = vals
+            return
     rows, ok = _slot_rows(slots, dst.size, False, err)
     if err is not None:
         # A negative token would resolve into a placeholder-like id, and one past an int32 map
