@@ -61,12 +61,15 @@ def check_placeholders(batch: Batch) -> None:
     """Raise ``ValueError`` if ``batch.tokens`` holds a negative id that no handle of
     ``batch.consumes`` names: it would resolve to an unrelated slot's token (a prompt id of -1
     reads slot 1). Negative ids are placeholders, and only consumed handles make them."""
-    tokens = batch.tokens
+    tokens, consumes = batch.tokens, batch.consumes
+    if len(consumes) == 1 and consumes[0].slots.size == tokens.size:
+        # The usual decode: exactly the consumed handle's placeholders, in order.
+        if not np.count_nonzero(tokens + consumes[0].slots):
+            return
     if not tokens.size or tokens.min() >= 0:
         return
     negs = tokens[tokens < 0]
     neg = -negs  # int64 min stays negative: no handle names it
-    consumes = batch.consumes
     named = (
         consumes[0].slots if len(consumes) == 1 else np.concatenate([h.slots for h in consumes] or [_NO_ROWS])
     )
