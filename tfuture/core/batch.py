@@ -12,6 +12,11 @@ from tfuture.core.params import SamplingParams
 from tfuture.core.slots import FutureIndices
 
 _INT64_MAX = np.iinfo(np.int64).max
+# The ufunc reductions themselves: ndarray.min() goes through a Python wrapper (about 1 us more),
+# on every step's host path.
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+_FALSE = np.zeros(4096, dtype=np.bool_)
+_FALSE.flags.writeable = False
 _NO_IDS = np.empty(0, dtype=np.int64)
 
 
@@ -31,7 +36,10 @@ def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
 def check_delayed(d: object, n: int) -> np.ndarray:
     """``Batch.delayed`` as its one type, a ``[n]`` bool array (a bool applies to every request)."""
     if isinstance(d, bool | np.bool_):
-        return np.full(n, bool(d)) if d else np.zeros(n, dtype=np.bool_)
+        if d:
+            return np.ones(n, dtype=np.bool_)
+        # A shared read-only view: nothing waits (assign a new array to change it).
+        return _FALSE[:n] if n <= _FALSE.size else np.zeros(n, dtype=np.bool_)
     if not isinstance(d, np.ndarray) or d.dtype != np.bool_ or d.shape != (n,):
         got = f"{d.dtype} array of shape {d.shape}" if isinstance(d, np.ndarray) else type(d).__name__
         raise TypeError(f"Batch.delayed must be a bool or a bool numpy array of {n} entries, got {got}")
@@ -117,9 +125,9 @@ class Batch:
         self.req_ids = _int_vector("req_ids", self.req_ids, n)
         if not isinstance(self.sample, np.ndarray) or self.sample.dtype != np.bool_ or self.sample.size != n:
             raise TypeError(f"Batch.sample must be a bool numpy array of {n} entries, got {self.sample!r}")
-        if n and self.seg_lens.min() < 1:
+        if n and _MIN(self.seg_lens) < 1:
             raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
-        if n and self.prefix_lens.min() < 0:
+        if n and _MIN(self.prefix_lens) < 0:
             raise ValueError(f"Batch.prefix_lens must be >= 0, got min {self.prefix_lens.min()}")
         if n > 1:
             ids = np.sort(self.req_ids)

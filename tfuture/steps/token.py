@@ -23,6 +23,7 @@ from tfuture.steps.masks import check_logits, check_mask, check_rows, check_widt
 from tfuture.steps.samplers import SamplePath, sample_path
 
 _NO_ROWS = np.empty(0, dtype=np.int64)
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # without ndarray.min()'s Python wrapper
 _ARANGE = np.arange(1024, dtype=np.int64)
 _ARANGE.flags.writeable = False
 
@@ -66,7 +67,7 @@ def check_placeholders(batch: Batch) -> None:
         # The usual decode: exactly the consumed handle's placeholders, in order.
         if not np.count_nonzero(tokens + consumes[0].slots):
             return
-    if not tokens.size or tokens.min() >= 0:
+    if not tokens.size or _MIN(tokens) >= 0:
         return
     negs = tokens[tokens < 0]
     neg = -negs  # int64 min stays negative: no handle names it
@@ -88,7 +89,7 @@ def check_sampled(tokens: np.ndarray, state: TokenState, step: int) -> None:
     """HOST, after the step's copy: raise ``ValueError`` naming the request and step if a row got
     no valid token (-1): its logits had a NaN or +inf, or -inf on every allowed token, so no
     token had a nonzero probability (or a model's own ``sample`` returned a negative id)."""
-    if not tokens.size or tokens.min() >= 0:
+    if not tokens.size or _MIN(tokens) >= 0:
         return
     bad = np.flatnonzero(tokens < 0)
     rid = int(state.host.req_ids[state.sample_reqs[bad[0]]])
@@ -223,7 +224,7 @@ class TokenStep(StepKind):
             batch.req_ids,
             sample_reqs,
             n_tok,
-            int(batch.seg_lens.max()) if n_reqs else 0,
+            0 if not n_reqs else 1 if n_tok == n_reqs else int(_MAX(batch.seg_lens)),
         )
         late, now, mask_rows = self._split_rows(batch, sample_reqs)
         splan = self.path.plan(self, batch, sample_reqs)
