@@ -15,6 +15,10 @@ decode step's mask goes host to device and masks float32 logits ``[batch, vocab]
   CUDA, its C++ kernel on CPU); skipped where xgrammar is not installed.
 * ``bool_transfer``, ``packed_transfer``: the copy alone.
 
+``bitmask_bs<batch>_gbps``: achieved bandwidth of the step lines (the mask copied and read, the
+logits read and written) against the GPU's peak; the copy crosses the host link, so the peak is
+a bound, not a target. On CPU, that of the host path.
+
 ``summary.json`` gets the bytes each mask moves per step and, per (vocab, batch), the step time
 of bool over packed and of xgrammar over packed. On CPU ("device" = host) the whole step is
 host time, and the sweep times a large step only a few times (it costs tens of milliseconds).
@@ -146,6 +150,35 @@ def bitmask(vocab: int, provider: str, bs: int, timer: str) -> harness.Timing:
     return timing
 
 
+def mask_bytes(line: str, vocab: int, bs: int) -> int:
+    """Bytes of one step's mask: bool ``[bs, vocab]`` or packed int32 ``[bs, ceil(vocab / 32)]``."""
+    return bs * vocab if line.startswith("bool") else 4 * bs * bitmask_words(vocab)
+
+
+def look(bench: triton.testing.Benchmark) -> harness.Look:
+    timer, bs = bench.args["timer"], bench.args["bs"]
+
+    def moved(vocab: int, line: str) -> float | None:
+        """A step line's bytes: the mask copied host to device and read, the logits read and
+        written; the transfer lines cross the host link, not device memory: left out."""
+        return None if line.endswith("transfer") else 2 * mask_bytes(line, vocab, bs) + 8 * bs * vocab
+
+    full = timer == harness.FULL_TIMER
+    return harness.Look(
+        what=f"grammar mask copy + apply, batch {bs}: {harness.time_label(timer, 'step', unit=False)}",
+        ylabel=harness.time_label(timer, "step"),
+        xlabel=f"vocabulary (tokens; batch {bs}, float32 logits, {P_ALLOW:.0%} allowed)",
+        bandwidth=harness.Bandwidth(
+            f"bitmask_bs{bs}_gbps",
+            f"grammar mask copy + apply, batch {bs}",
+            moved,
+            "mask copied and read + float32 logits read and written",
+        )
+        if full
+        else None,
+    )
+
+
 def summarize() -> dict[str, Any]:
     """Bytes per step, and the step-time ratios per (vocab, batch), from the timer that sees the step."""
     timer = "device_time" if HAS_CUDA else "host_cost"
@@ -178,7 +211,7 @@ def main() -> None:
             "bitmask device_time (all plots)",
             f"{harness.NO_GPU}; on CPU the host_cost plots time the whole step (transfer = a host copy)",
         )
-    harness.save(bitmask)
+    harness.save(bitmask, look)
     make_step.cache_clear()
     summary = summarize()
     harness.record("bitmask", summary)

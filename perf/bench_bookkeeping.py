@@ -95,6 +95,13 @@ def bookkeeping_host_cost(bs: int, op: str) -> harness.Timing:
     return harness.host_us(lambda: None, batch=batch_fn(op, bs))
 
 
+LOOK = harness.Look(
+    what="FutureMap / FutureIndices bookkeeping: host time per call",
+    ylabel=harness.time_label("host_cost"),
+    xlabel=f"rows of the handle (FutureMap on {DEVICE})",
+)
+
+
 def busy_stream_check(bs: int = 1024, sleep_cycles: int = 4_000_000) -> dict[str, object]:
     """GPU only: do host -> device slot copies return while the current stream is busy?"""
     fmap = FutureMap(4 * bs, device="cuda")
@@ -119,7 +126,7 @@ def busy_stream_check(bs: int = 1024, sleep_cycles: int = 4_000_000) -> dict[str
 
 
 def main() -> None:
-    harness.save(bookkeeping_host_cost)
+    harness.save(bookkeeping_host_cost, lambda _: LOOK)
     if HAS_CUDA:
         harness.record("bookkeeping", busy_stream_check())
     else:

@@ -129,12 +129,24 @@ def distributed_round(world: int, line: tuple[str, str]) -> float:
     return point(world, *line)
 
 
+LOOK = harness.Look(
+    what="decode round time against ranks: TP and PP, overlap vs sync (gloo)",
+    ylabel="ms per round (every request one token)",
+    xlabel=f"ranks ({DEVICE}, gloo; T_dev {T_DEV_MS:g} ms per round split over ranks, T_cpu {T_CPU_MS:g} ms)",
+    refs=(
+        harness.Ref(
+            "nominal ideal max(T_dev / ranks, T_cpu)", [max(T_DEV_MS / w, T_CPU_MS) for w in WORLDS], ls=":"
+        ),
+    ),
+)
+
+
 def main() -> None:
     if harness.HAS_CUDA:
         harness.skip("bench_distributed", "CPU backend sweep; on a GPU run perf/nccl_smoke.py (NCCL)")
         return
     try:
-        harness.save(distributed_round)
+        harness.save(distributed_round, lambda _: LOOK)
     finally:
         _close_pools()
     values = {f"{lay}_{mode}": {str(w): round(point(w, lay, mode), 3) for w in WORLDS} for lay, mode in LINES}

@@ -107,6 +107,15 @@ def fields(n_fields: int, provider: tuple[str, str], timer: str) -> harness.Timi
     return harness.timed(make_fn(*provider, n_fields), timer)
 
 
+def look(bench: triton.testing.Benchmark) -> harness.Look:
+    timer = bench.args["timer"]
+    return harness.Look(
+        what=f"future fields gather / store, {ROWS} rows: {harness.time_label(timer, unit=False)}",
+        ylabel=harness.time_label(timer),
+        xlabel=f"fields per call ({ROWS} rows of a filtered handle)",
+    )
+
+
 def check_same(nf: int) -> None:
     """Every gather line returns the same bits; a store rewrites what is there (not timed)."""
     want = make_fn("gather", "torch", nf)()
@@ -127,7 +136,7 @@ def main() -> None:
     if not HAS_CUDA:
         harness.skip("fields_device_time (all lines)", harness.NO_GPU)
         harness.skip("fields_host_cost: empty_launch line", harness.NO_GPU)
-    harness.save(fields)
+    harness.save(fields, look)
 
 
 if __name__ == "__main__":

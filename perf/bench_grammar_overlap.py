@@ -133,8 +133,23 @@ def grammar_step(share: int, line: tuple[str, str]) -> float:
     return measured(share)[line]
 
 
+# The floor of a step: the device side (forward; sampling comes on top) or the host side (its
+# work plus the grammar rows' mask fill), whichever is longer.
+FLOOR = harness.Ref(
+    "floor max(T_dev, T_cpu + mask fill)",
+    [max(T_DEV_MS, T_CPU_MS + BATCH * share // 100 * FILL_US / 1e3) for share in SHARES],
+)
+LOOK = harness.Look(
+    what="step time against the share of grammar requests (delay rows vs batch)",
+    ylabel="ms per step",
+    xlabel=f"grammar requests (% of {BATCH}; {DEVICE}, T_dev {T_DEV_MS:g} ms, T_cpu {T_CPU_MS:g} ms, "
+    f"fill {FILL_US:g} µs per row)",
+    refs=(FLOOR,),
+)
+
+
 def main() -> None:
-    harness.save(grammar_step)
+    harness.save(grammar_step, lambda _: LOOK)
     per_line = {f"{m}_{d}": {str(s): round(measured(s)[(m, d)], 3) for s in SHARES} for m, d in LINES}
     gain = {
         mode: {str(s): round(measured(s)[(mode, "batch")] / measured(s)[(mode, "rows")], 3) for s in SHARES}

@@ -32,7 +32,7 @@ import torch
 import triton
 
 import tfuture
-from perf import baselines, harness
+from perf import baselines, contract, harness
 from perf.harness import DEVICE, HAS_CUDA
 
 BATCH = [1, 4, 16, 64, 256, 1024]
@@ -175,8 +175,26 @@ def host_cycle(bs: int, provider: str) -> harness.Timing:
     return harness.NAN3 if samples is None else harness.band(samples)
 
 
+def look(_: triton.testing.Benchmark) -> harness.Look:
+    """Host time per cycle, with the contract's bound against the request-pool-indexed buffer (the
+    bound against the seed ring is its own line: a limit of 1)."""
+    limit = next(t[2] for t in contract.TARGETS if t[3] == "host_cycle.tfuture_over_pool_indexed")
+    bound = harness.Ref(
+        f"contract: tfuture \u2264 {limit:g}{harness.TIMES}pool_indexed",
+        lambda m: limit * m["pool_indexed"],
+        color="blue",
+        ls=(0, (3, 1, 1, 1, 1, 1)),
+    )
+    return harness.Look(
+        what="one decode cycle of future bookkeeping: host time per cycle",
+        ylabel=harness.time_label("host_cost", "cycle"),
+        xlabel=f"batch size (decodes per step, ~90% kept, {N_PREFILL} prefill ids, {DEVICE})",
+        refs=(bound,),
+    )
+
+
 def main() -> None:
-    harness.save(host_cycle)
+    harness.save(host_cycle, look)
     if any("seed_ring_compile" not in measure(n) for n in BATCH):
         harness.skip("host_cycle: seed_ring_compile line", "torch.compile failed here (see the log)")
     ratios = {

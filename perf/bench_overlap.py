@@ -47,7 +47,7 @@ from collections.abc import Callable
 import numpy as np
 import triton
 
-from perf import harness
+from perf import contract, harness
 from perf.decode import DecodeScheduler, HandLoop, StepClock, spin
 from perf.harness import DEVICE, HAS_CUDA
 from tfuture import FutureMap
@@ -248,8 +248,46 @@ def overlap_step(t_ms: float, line: tuple[str, int], plot: str) -> harness.Timin
     return harness.band(over_nominal(t_ms, bs, name))
 
 
+def look(bench: triton.testing.Benchmark) -> harness.Look:
+    """Titles and units; on the ratio plot, the contract's limits on the overlap lines."""
+    xlabel = f"T_cpu = T_dev (ms; {DEVICE}, {STREAM} stream, trace off)"
+    if bench.plot_name == "overlap_runtime_host_us":
+        return harness.Look(
+            what="the runtime's own host CPU time per step, over the hand-written loop",
+            ylabel="runtime host CPU per step - hand loop's (µs)",
+            xlabel=xlabel,
+            refs=(harness.Ref("ideal: no host CPU over the hand loop", 0.0, color="gray", ls="-"),),
+        )
+    if bench.plot_name == "overlap_step_ms":
+        return harness.Look(
+            what="decode step time against the nominal max(T_cpu, T_dev)",
+            ylabel="ms per step",
+            xlabel=xlabel,
+        )
+    limits = {
+        float(where.rsplit(".", 1)[1]): limit
+        for _, _, limit, where in contract.TARGETS
+        if where.startswith(f"overlap.step_over_nominal.overlap_batch{BATCHES[0]}.")
+    }
+    ts = sorted(t for t in limits if min(T_MS) <= t <= max(T_MS))
+    target = harness.Ref(
+        "contract: overlap \u2264 limit (every batch)",
+        [limits[t] for t in ts],
+        x=ts,
+        color="blue",
+        ls=":",
+        marker="v",
+    )
+    return harness.Look(
+        what="decode step time over the nominal max(T_cpu, T_dev)",
+        ylabel="ratio to nominal max(T_cpu, T_dev)",
+        xlabel=xlabel,
+        refs=(target,),
+    )
+
+
 def main() -> None:
-    harness.save(overlap_step)
+    harness.save(overlap_step, look)
 
     def per_t(fn: Callable[..., np.ndarray], bs: int, *args: str) -> dict[str, float]:
         """``{T ms: median over repeats of fn(T, bs, *args)}``."""

@@ -128,10 +128,19 @@ def prepare(bs: int, provider: tuple[str, str], timer: str) -> harness.Timing:
     return harness.timed(batch.fused if provider[0] == "tfuture" else batch.unfused, timer)
 
 
+def look(bench: triton.testing.Benchmark) -> harness.Look:
+    timer = bench.args["timer"]
+    return harness.Look(
+        what=f"prepare_inputs (fused) vs unfused torch: {harness.time_label(timer, unit=False)}",
+        ylabel=harness.time_label(timer),
+        xlabel="requests per call (prefill chunks 8-128 tokens, decodes 1 placeholder)",
+    )
+
+
 def main() -> None:
     if not HAS_CUDA:
         harness.skip("prepare_device_time (fused and unfused)", harness.NO_GPU)
-    harness.save(prepare)
+    harness.save(prepare, look)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ int64 ids, 14% placeholders, an 8192-slot map. Lines:
 
 The map holds placeholders (``token_map[s] = -perm(s)``), so each call turns every placeholder
 into another one: every call does a full resolve, with no restore copy in the timed region.
+
+``resolve_gbps``: achieved bandwidth (8 B per id read, 8 B map read and 8 B written per
+placeholder, over the median time) against the GPU's peak; on CPU that of the host path.
 """
 
 from __future__ import annotations
@@ -98,6 +101,32 @@ def resolve(n_tokens: int, provider: str, timer: str) -> harness.Timing:
     return harness.timed(make_fn(provider, n_tokens), timer)
 
 
+def moved(n: int, provider: str) -> float | None:
+    """Bytes one resolve must move: read the ``n`` ids, and per placeholder read its map entry and
+    write the token back (the kernel stores placeholder rows only); None for the empty launch."""
+    if provider == "empty_launch":
+        return None
+    n_placeholders = int((make_inputs(n)[1] < 0).sum())
+    return 8 * n + 16 * n_placeholders
+
+
+def look(bench: triton.testing.Benchmark) -> harness.Look:
+    timer = bench.args["timer"]
+    return harness.Look(
+        what=f"resolve_futures_: {harness.time_label(timer, unit=False)}, {N_SLOTS}-slot map",
+        ylabel=harness.time_label(timer),
+        xlabel="tokens per call (int64 ids, 14% placeholders)",
+        bandwidth=harness.Bandwidth(
+            "resolve_gbps",
+            f"resolve_futures_, {N_SLOTS}-slot map",
+            moved,
+            "8 B per id read + 8 B map read and 8 B write per placeholder",
+        )
+        if timer == harness.FULL_TIMER
+        else None,
+    )
+
+
 def check_same(n: int) -> None:
     """tfuture and eager torch compute the same ids from the same input (not timed)."""
     fmap, ids = make_inputs(n)
@@ -113,7 +142,7 @@ def main() -> None:
     if not HAS_CUDA:
         harness.skip("resolve_device_time (all lines)", harness.NO_GPU)
         harness.skip("resolve_host_cost: empty_launch line", harness.NO_GPU)
-    harness.save(resolve)
+    harness.save(resolve, look)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import triton
 
-from perf import harness
+from perf import contract, harness
 from perf.decode import DecodeScheduler, HandLoop, MinimalLoop, ZeroModel
 from perf.harness import DEVICE, HAS_CUDA
 from tfuture import FutureMap
@@ -153,6 +153,32 @@ def runtime_per_step(max_running: int, impl: str, metric: str) -> harness.Timing
     return harness.NAN3 if samples is None else harness.band(samples[:, METRICS[metric]])
 
 
+def look(bench: triton.testing.Benchmark) -> harness.Look:
+    """Per metric: its unit; on the contract's metric, the bounds of the judged runtime lines
+    against the hand loop of their mode (the contract judges batch 16 and 64)."""
+    metric = bench.args["metric"]
+    what = {"thread_cpu": "host thread CPU time", "cpu": "process CPU time", "wall": "wall time"}[metric]
+    refs = []
+    if metric == "thread_cpu":
+        for mode in MODES:
+            path = f"runtime_overhead.thread_cpu_over_hand.runtime_{mode}_{JUDGED}"
+            limit = next(t[2] for t in contract.TARGETS if t[3] == path)
+            refs.append(
+                harness.Ref(
+                    f"contract: runtime_{mode}_{JUDGED} \u2264 {limit:g}{harness.TIMES}hand_{mode}",
+                    functools.partial(lambda lim, line, m: lim * m[line], limit, f"hand_{mode}"),
+                    color="black",
+                    ls=(0, (3, 1, 1, 1, 1, 1)) if mode == "overlap" else (0, (1, 1)),
+                )
+            )
+    return harness.Look(
+        what=f"the runtime's own cost, zero-work model: {what} per step",
+        ylabel=f"{what} per step (µs)",
+        xlabel=f"requests decoding per step (zero-work model, {DEVICE})",
+        refs=tuple(refs),
+    )
+
+
 def ratio(n: int, num: str, den: str, metric: str = "thread_cpu") -> float | None:
     """Median over repeats of ``num / den`` (``metric``), or None if a line did not run."""
     m = measure(n)
@@ -163,7 +189,7 @@ def ratio(n: int, num: str, den: str, metric: str = "thread_cpu") -> float | Non
 
 
 def main() -> None:
-    harness.save(runtime_per_step)
+    harness.save(runtime_per_step, look)
     for line, why in CANNOT_RUN.items():
         harness.skip(f"runtime overhead line {line}", why)
     sizes = [n for n in TARGET_BATCHES if n in MAX_RUNNING]

@@ -167,6 +167,22 @@ def sampling_plan(bs: int, provider: str) -> harness.Timing:
     return harness.host_us(c.plan_now)
 
 
+def look_step(bench: triton.testing.Benchmark) -> harness.Look:
+    label = "device time per step" if HAS_CUDA else "wall time per step (1 torch thread)"
+    return harness.Look(
+        what=f"sampling, vocab {bench.args['vocab']}: {label}",
+        ylabel=f"{label.split(' (')[0]} (µs)",
+        xlabel=f"sampling rows (requests; float32 logits, vocab {bench.args['vocab']})",
+    )
+
+
+PLAN_LOOK = harness.Look(
+    what="Sampler.plan: host time per step",
+    ylabel=harness.time_label("host_cost", "step"),
+    xlabel="requests in the step (all sample)",
+)
+
+
 def check_greedy(bs: int, vocab: int) -> None:
     """The Sampler's greedy step equals the argmax line (not timed)."""
     c = case(bs, vocab, "sampler_greedy")
@@ -180,8 +196,8 @@ def main() -> None:
             check_greedy(bs, vocab)
     if not HAS_CUDA:
         harness.skip("sampling device time", f"{harness.NO_GPU}; CPU wall time is plotted instead")
-    harness.save(sampling_step)
-    harness.save(sampling_plan)
+    harness.save(sampling_step, look_step)
+    harness.save(sampling_plan, lambda _: PLAN_LOOK)
     summary: dict[str, float] = {}
     vocab, bs = VOCABS[0], BATCH[-1]
     base = step_time(case(bs, vocab, "argmax").run_step)[0]

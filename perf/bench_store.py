@@ -12,7 +12,9 @@ A 16384-slot int64 map, ``bs`` int64 tokens per call. Lines:
 * ``torch_slice``: ``token_map[a:a + bs] = values``, torch's best case for a contiguous run.
 * ``empty_launch``: a Triton kernel that does nothing, the floor (GPU only).
 
-A store is idempotent, so repeating it does the full work every call.
+A store is idempotent, so repeating it does the full work every call. ``store_gbps``: achieved
+bandwidth (8 B value read and 8 B map write per token, plus the 8 B slot index when scattered)
+against the GPU's peak; on CPU that of the host path.
 """
 
 from __future__ import annotations
@@ -85,6 +87,31 @@ def store(bs: int, provider: str, timer: str) -> harness.Timing:
     return harness.timed(make_fn(provider, bs), timer)
 
 
+def moved(bs: int, provider: str) -> float | None:
+    """Bytes one store must move: read the ``bs`` values, write ``bs`` map entries, and read the
+    ``bs`` slot indices on the scattered lines; None for the empty launch."""
+    if provider == "empty_launch":
+        return None
+    return 8 * bs * (3 if provider in ("tfuture_slots", "torch_index") else 2)
+
+
+def look(bench: triton.testing.Benchmark) -> harness.Look:
+    timer = bench.args["timer"]
+    return harness.Look(
+        what=f"store_futures: {harness.time_label(timer, unit=False)}, {N_SLOTS}-slot map",
+        ylabel=harness.time_label(timer),
+        xlabel="tokens stored per call (int64)",
+        bandwidth=harness.Bandwidth(
+            "store_gbps",
+            f"store_futures, {N_SLOTS}-slot map",
+            moved,
+            "8 B value read + 8 B map write per token (+ 8 B slot index if scattered)",
+        )
+        if timer == harness.FULL_TIMER
+        else None,
+    )
+
+
 def check_same(bs: int) -> None:
     """tfuture and torch leave the same map for the same slots (not timed)."""
     token_map = make_inputs(bs)[0]
@@ -104,7 +131,7 @@ def main() -> None:
     if not HAS_CUDA:
         harness.skip("store_device_time (all lines)", harness.NO_GPU)
         harness.skip("store_host_cost: empty_launch line", harness.NO_GPU)
-    harness.save(store)
+    harness.save(store, look)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""perf/harness.save draws what the plots promise: perf_report's CSV untouched, a title with the
+device, units on the axes, the reference lines, the legend off the axes, a tick on every x value,
+and the achieved-bandwidth plot against the device's peak (or the plain reason there is none).
+Nothing here times anything: the benchmark function returns made-up numbers."""
+
+import csv
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("pandas")
+import matplotlib
+
+matplotlib.use("agg")
+import matplotlib.pyplot as plt
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from perf import harness
+
+SIZES = [16, 512, 32768]
+
+
+def _mark() -> triton.testing.Mark:
+    @triton.testing.perf_report(
+        [
+            triton.testing.Benchmark(
+                x_names=["n"],
+                x_vals=SIZES,
+                x_log=True,
+                y_log=True,
+                line_arg="provider",
+                line_vals=["fast", "slow", "absent"],
+                line_names=["fast", "slow", "absent"],
+                styles=[("blue", "-"), ("red", "--"), ("green", ":")],
+                xlabel="tokens",
+                ylabel="us",
+                plot_name=f"fake_{timer}",
+                args={"timer": timer},
+            )
+            for timer in ("device_time", "host_cost")
+        ]
+    )
+    def fake(n: int, provider: str, timer: str) -> harness.Timing:
+        """A made-up call: 1 us plus 1 ns a token, twice that for "slow"."""
+        if provider == "absent":
+            return harness.NAN3
+        us = (1.0 + n / 1e3) * (2 if provider == "slow" else 1)
+        return us, 0.9 * us, 1.1 * us
+
+    return fake
+
+
+def _look(bench: triton.testing.Benchmark) -> harness.Look:
+    timer = bench.args["timer"]
+    bandwidth = harness.Bandwidth("fake_gbps", "fake", lambda n, p: None if p == "slow" else 8.0 * n, "8 B")
+    return harness.Look(
+        what=f"fake: {harness.time_label(timer, unit=False)}",
+        ylabel=harness.time_label(timer),
+        refs=(harness.Ref("floor", 1.0), harness.Ref("ideal", lambda m: m["fast"] / 2)),
+        bandwidth=bandwidth if timer == "device_time" else None,
+    )
+
+
+@pytest.fixture
+def folder(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(harness, "results_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(harness, "write_meta", lambda *a: None)
+    return str(tmp_path)
+
+
+def _saved_figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """Every figure save() writes, by file name, kept open for the test to read."""
+    figures: dict[str, object] = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(fig: object, path: str, **kwargs: object) -> None:
+        figures[os.path.basename(path)] = fig
+        savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    return figures
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "Some New GPU", None])
+def test_save_draws_the_promised_plots(folder: str, monkeypatch: pytest.MonkeyPatch, gpu: str | None) -> None:
+    monkeypatch.setattr(harness, "HAS_CUDA", gpu is not None)
+    monkeypatch.setattr(harness, "device_name", lambda: gpu or "cpu (test)")
+    figures = _saved_figures(monkeypatch)
+    harness.save(_mark(), _look)
+    assert not plt.get_fignums()
+
+    # perf_report's CSV, as the contract reads it: the ylabel in the column names.
+    with open(os.path.join(folder, "fake_device_time.csv")) as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["n", "fast (us)", "slow (us)", "absent (us)"]
+    assert [float(r[0]) for r in rows[1:]] == SIZES
+
+    ax = figures["fake_device_time.png"].axes[0]
+    assert ax.get_title().splitlines()[0] == "fake: device time per call"
+    assert ax.get_title().splitlines()[1].startswith(gpu or "cpu (test)")
+    assert ax.get_ylabel() == "device time per call (µs)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "512", "32768"]
+    legend = ax.get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["fast", "slow", "floor", "ideal", "not run here: absent"]
+    assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1  # right of the axes
+
+    bw = figures["fake_gbps.png"].axes[0]
+    bw_labels = [t.get_text() for t in bw.get_legend().get_texts()]
+    assert bw_labels[0] == "fast" and "slow" not in bw_labels
+    if gpu == "NVIDIA H200":
+        assert bw_labels[1] == "peak DRAM bandwidth, 4.8 TB/s (NVIDIA H200)"
+        assert 4800.0 in [line.get_ydata()[0] for line in bw.get_lines()]
+    elif gpu:
+        assert bw_labels[1].startswith("unknown device 'Some New GPU': no peak line")
+    else:
+        assert "host-bound" in bw_labels[1] and "host-bound" in bw.get_title()
+    with open(os.path.join(folder, "fake_gbps.csv")) as f:
+        gbps = list(csv.DictReader(f))
+    assert float(gbps[-1]["fast (GB/s)"]) == pytest.approx(8 * 32768 / (1 + 32.768) / 1e3)
+
+    with open(os.path.join(folder, "summary.json")) as f:
+        plots = json.load(f)["plots"]
+    assert set(plots) == {"fake_device_time", "fake_host_cost", "fake_gbps"}
+    assert plots["fake_device_time"].startswith("A made-up call")
+
+
+def test_contract_targets_on_a_plot_become_bounds() -> None:
+    bench = triton.testing.Benchmark(
+        x_names=["n"],
+        x_vals=SIZES,
+        line_arg="provider",
+        line_vals=["tfuture", "torch", "torch_compile", "empty_launch"],
+        line_names=["tfuture", "torch", "torch_compile", "empty_launch"],
+        styles=[("blue", "-"), ("red", "--"), ("green", "-."), ("black", ":")],
+        plot_name="resolve_device_time",
+        args={},
+    )
+    refs = {r.label: r for r in harness.contract_refs(bench)}
+    near_launch, under_torch = (
+        f"contract: tfuture ≤ 1.15{harness.TIMES}empty_launch",
+        "contract: tfuture ≤ torch / 3.5",
+    )
+    # torch.compile / tfuture > 1 is the torch_compile line itself: no extra line.
+    assert set(refs) == {near_launch, under_torch}
+    medians = {"empty_launch": 2.0, "torch": 7.0}
+    assert refs[near_launch].y(medians) == pytest.approx(2.3)
+    assert refs[under_torch].y(medians) == pytest.approx(2.0)
