@@ -29,8 +29,23 @@ perf-refresh: $(STAMP)
 soak: $(STAMP)
 	$(PY) tests/reliability/soak.py --steps 100000
 
+# The committed mutation set (tests/mutants/mutants.py), each mutant on a temporary copy of the
+# package against its owning tests; fails if one survives or went stale. Not part of make test.
+.PHONY: mutants
+mutants: $(STAMP)
+	$(PY) tests/mutants/run.py
+
 demo: $(STAMP)
 	$(PY) -m tfuture.testing.demo
+
+# Tensor / pipeline parallel over 2 local ranks (gloo on CPU, NCCL on GPUs); no activated venv needed.
+TORCHRUN := $(PY) -m torch.distributed.run
+.PHONY: demo-tp demo-pp
+demo-tp: $(STAMP)
+	$(TORCHRUN) --nproc-per-node 2 -m tfuture.testing.demo --tp 2
+
+demo-pp: $(STAMP)
+	$(TORCHRUN) --nproc-per-node 2 -m tfuture.testing.demo --pp 2
 
 # A small random-weight Hugging Face Llama through the runtime: sync vs overlap.
 demo-hf: $(STAMP)
@@ -42,4 +57,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy tfuture
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache build dist

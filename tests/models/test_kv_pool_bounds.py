@@ -1,0 +1,103 @@
+"""The KV pool's bounds and layout, without a model: StepLayout.build over hand-made steps.
+
+The boundary pair of ``max_len``: a step whose longest request reaches exactly ``max_len``
+positions runs (its last key lands in the last cache position), one past it raises. Rows go back
+on release; the attention mask is causal per request with each token seeing its own key.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tfuture.core.batch import ForwardBatch, HostMeta
+from tfuture.models.kv_pool import KVPool, StepLayout
+
+MAX_LEN, HEADS, HEAD_DIM = 4, 1, 2
+
+
+def pool(n_rows: int = 2) -> KVPool:
+    return KVPool(1, n_rows, MAX_LEN, HEADS, HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"))
+
+
+def step(prefix: list[int], seg: list[int], rids: list[int]) -> ForwardBatch:
+    """A forward batch whose request ``q`` runs ``seg[q]`` tokens after ``prefix[q]`` cached ones."""
+    prefix_a, seg_a, rid_a = (np.array(x, dtype=np.int64) for x in (prefix, seg, rids))
+    n_tok, n = int(seg_a.sum()), seg_a.size
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(seg_a, out=starts[1:])
+    positions = np.concatenate([np.arange(p, p + s) for p, s in zip(prefix, seg, strict=True)])
+    last = starts[1:] - 1
+    t = torch.from_numpy
+    host = HostMeta(seg_a, prefix_a, rid_a, np.arange(n), n_tok, int(seg_a.max()))
+    return ForwardBatch(
+        0,
+        torch.zeros(n_tok, dtype=torch.int64),
+        t(positions),
+        t(last),
+        t(rid_a),
+        t(prefix_a + seg_a),
+        torch.arange(n),
+        t(last),
+        t(starts),
+        host,
+    )
+
+
+def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def forward(kv: KVPool, batch: ForwardBatch) -> torch.Tensor:
+    """One layer's attention over the step, keys and values = the token's position + 1."""
+    layout = StepLayout.build(kv, batch)
+    n_tok = batch.host.n_tokens
+    kvals = (batch.positions[:n_tok].to(torch.float32) + 1)[None, None, :, None].expand(
+        1, HEADS, n_tok, HEAD_DIM
+    )
+    q = torch.ones(1, HEADS, n_tok, HEAD_DIM)
+    return layout.attend(0, q, kvals, kvals, attn)
+
+
+def test_a_forward_reaching_exactly_max_len_runs_and_one_past_it_raises():
+    kv = pool()
+    forward(kv, step([0], [MAX_LEN - 1], [7]))
+    out = forward(kv, step([MAX_LEN - 1], [1], [7]))  # positions 0..MAX_LEN-1: the whole cache
+    assert out.shape == (1, 1, HEADS, HEAD_DIM)
+    assert kv.k[0, kv.rows[7], MAX_LEN - 1, 0, 0] == MAX_LEN  # its key landed in the last position
+    with pytest.raises(ValueError, match=f"reaches {MAX_LEN + 1} positions.*max_len={MAX_LEN}"):
+        StepLayout.build(kv, step([MAX_LEN], [1], [7]))
+
+
+def test_a_prefill_of_exactly_max_len_runs_and_one_longer_raises():
+    kv = pool()
+    layout = StepLayout.build(kv, step([0], [MAX_LEN], [3]))
+    assert layout.kv_len == MAX_LEN
+    with pytest.raises(ValueError, match=f"max_len={MAX_LEN}"):
+        StepLayout.build(pool(), step([0], [MAX_LEN + 1], [3]))
+
+
+def test_released_rows_are_taken_again():
+    kv = pool(n_rows=1)
+    StepLayout.build(kv, step([0], [2], [1]))
+    assert kv.n_free == 0
+    kv.release(np.array([1]))
+    assert kv.n_free == 1 and 1 not in kv.rows
+    StepLayout.build(kv, step([0], [2], [2]))  # the one row again, for another request
+    assert kv.n_free == 0 and kv.rows == {2: 0}
+    kv.release(np.array([5]))  # never ran here: ignored
+    assert kv.n_free == 0
+
+
+def test_the_mask_is_causal_and_each_token_sees_its_own_key():
+    kv = pool()
+    forward(kv, step([0], [1], [0]))  # request 0 has one token cached
+    layout = StepLayout.build(kv, step([1, 0], [1, 3], [0, 1]))
+    assert layout.kv_len == 3 and layout.width == 3
+    mask = layout.mask[:, 0]
+    # Request 0 (prefix 1, one token): its row sees keys 0 and 1.
+    assert mask[0, 0].tolist() == [True, True, False]
+    # Request 1 (a prefill of 3): row i sees keys 0..i.
+    assert torch.equal(mask[1], torch.tril(torch.ones(3, 3, dtype=torch.bool)))

@@ -1,0 +1,62 @@
+"""StagingRing: buffers handed out in turn, each only after the copy that last used it ran, and
+always large enough (tfuture.streams.staging), against a stream that records what it waited for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfuture.streams.staging import StagingRing
+
+
+class RecordingStream:
+    """Stands in for a ForwardStream: ``wait(marker)`` records the marker."""
+
+    def __init__(self) -> None:
+        self.waited: list[Any] = []
+
+    def wait(self, marker: Any) -> None:
+        self.waited.append(marker)
+
+
+def test_buffers_are_handed_out_in_turn():
+    ring, stream = StagingRing(3, False, "inputs"), RecordingStream()
+    bufs = [ring.acquire(8, stream) for _ in range(3)]
+    assert len({id(b) for b in bufs}) == 3
+    assert ring.acquire(8, stream) is bufs[0] and ring.acquire(8, stream) is bufs[1]
+    assert stream.waited == []  # no buffer had a copy in flight
+
+
+def test_a_buffer_is_reused_only_after_its_last_copy():
+    ring, stream = StagingRing(3, False, "outputs"), RecordingStream()
+    markers = []
+    for step in range(3):
+        buf = ring.acquire(4, stream)
+        buf.marker = marker = ("copy of step", step)
+        markers.append(marker)
+    assert stream.waited == []
+    ring.acquire(4, stream)  # buffer 0 again: step 0's copy must have run first
+    assert stream.waited == [markers[0]]
+    ring.acquire(4, stream)
+    assert stream.waited == markers[:2]
+
+
+def test_reset_forgets_the_markers_of_a_drained_stream():
+    ring, stream = StagingRing(3, False, "inputs"), RecordingStream()
+    for _ in range(3):
+        ring.acquire(4, stream).marker = object()
+    ring.reset()
+    ring.acquire(4, stream)
+    assert stream.waited == []
+
+
+def test_a_buffer_grows_to_at_least_what_is_asked():
+    ring, stream = StagingRing(3, False, "inputs"), RecordingStream()
+    first = ring.acquire(1, stream)
+    n0 = first.data.numel()
+    for _ in range(2):
+        ring.acquire(1, stream)
+    for n in (n0, n0 + 1, 3 * n0 + 1):
+        buf = ring.acquire(n, stream)
+        assert buf.data.numel() >= n and buf.array.size == buf.data.numel()
+        buf.array[:n] = 7  # the numpy view is the same memory, large enough
+        assert int(buf.data[n - 1]) == 7
