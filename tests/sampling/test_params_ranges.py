@@ -60,3 +60,26 @@ def test_the_extremes_that_are_accepted_sample_sensibly() -> None:
             assert 0 <= got[2] < 4, got
     finally:
         sampler.unclaim(extremes)
+
+
+def test_a_prompt_id_past_the_vocab_of_a_penalised_request_is_named() -> None:
+    """It used to end in a bare IndexError from the penalty history."""
+    sampler = Sampler(history_rows=1, vocab_size=8)
+    owner = object()
+    sampler.claim(owner)
+    try:
+        one = np.zeros(1, np.int64)
+        plan = sampler.plan_step(
+            {0: SamplingParams(repetition_penalty=1.2)},
+            one,
+            np.array([2]),
+            one,
+            one,
+            np.empty(0, np.int64),
+            0,
+        )
+        state = sampler.prepare(plan, torch.from_numpy(plan.words.copy()))
+        with pytest.raises(ValueError, match="step 0: an input token id 9 .* past the vocab of 8"):
+            sampler.observe(state, torch.tensor([3, 9]))
+    finally:
+        sampler.unclaim(owner)
