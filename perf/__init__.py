@@ -13,5 +13,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 # The interpreter runs about 0.45 ms per program: timing it says nothing about tfuture. Without
 # it, tfuture takes its CPU reference path (numpy or torch on the host), which the CPU numbers measure.
-if os.environ.pop("TRITON_INTERPRET", "0") == "1":
+# Not when the test suite imports perf: its kernels run under the interpreter (tests/conftest.py),
+# and triton reads the variable again at its next launch.
+if "pytest" not in sys.modules and os.environ.pop("TRITON_INTERPRET", "0") == "1":
     print("perf: ignoring TRITON_INTERPRET=1 (benchmarks time the real paths)", file=sys.stderr)
