@@ -10,6 +10,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+
+    # Read the knob now, while the variable is set: triton keeps the first value it reads, and a
+    # full run in which something read it later without the variable failed every kernel test.
+    assert triton.knobs.runtime.interpret == (os.environ["TRITON_INTERPRET"] == "1")
 
 import pytest
 
