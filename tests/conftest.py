@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     # tests collected) failed every kernel test from the one that first triggered that import.
     assert triton.knobs.runtime.interpret == (os.environ["TRITON_INTERPRET"] == "1")
     try:
-        import triton.experimental.gluon  # noqa: F401
+        import triton.experimental.gluon
     except ImportError:  # an older triton without gluon
         pass
 
