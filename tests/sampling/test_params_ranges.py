@@ -79,7 +79,7 @@ def test_a_prompt_id_past_the_vocab_of_a_penalised_request_is_named() -> None:
             0,
         )
         state = sampler.prepare(plan, torch.from_numpy(plan.words.copy()))
-        with pytest.raises(ValueError, match="step 0: an input token id 9 .* past the vocab of 8"):
+        with pytest.raises(ValueError, match=r"step 0: an input token id 9 .* past the vocab of 8"):
             sampler.observe(state, torch.tensor([3, 9]))
     finally:
         sampler.unclaim(owner)
