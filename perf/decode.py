@@ -164,7 +164,8 @@ class HandLoop:
     Per step, on the host: the tokens (the placeholders of the last unread step's ``out``,
     filtered as :class:`DecodeScheduler` does, or the concrete tokens last read), ``alloc``, the
     step's index data written into a reusable staging buffer. On the stream, as one unit of
-    work: one H2D copy, ``launch_prepare`` (the fused resolve), the sampling rows, the model's
+    work: one H2D copy, the decode step's prepare as the runtime does it (``launch_resolve`` of
+    the tokens in place; positions and last rows are views of the staged data), the model's
     ``forward`` and ``sample``, ``store``, the D2H copy of tokens and error flag. The consumed
     handle is released once that is enqueued. The step is read (wait, check the flag, release
     its ``out``, then ``host_work_s`` of spin: the scheduler's ``process``) at once in sync
@@ -276,9 +277,9 @@ class HandLoop:
         def ops() -> None:
             dev_in = host_in.to(dev, non_blocking=True, copy=True)
             ids, seg, prefix, rids, lens, sreq = torch.tensor_split(dev_in, split)
-            prepared = fmap.launch_prepare(ids, seg, prefix, n, None)
-            rows = prepared.last_rows.index_select(0, sreq)
-            fb = ForwardBatch(step, *prepared, rids, lens, sreq, rows)
+            # A decode step, as the runtime prepares one: resolve in place, the rest are views.
+            last = seg[:-1]
+            fb = ForwardBatch(step, fmap.launch_resolve(ids), prefix, last, rids, lens, sreq, last)
             if not self.time_model:
                 sampled = model.sample(model.forward(fb), fb, None)
             elif self.stream == "cuda":

@@ -14,13 +14,17 @@ from tfuture.core.slots import FutureIndices
 _INT64_MAX = np.iinfo(np.int64).max
 # The ufunc reductions themselves: ndarray.min() goes through a Python wrapper (about 1 us more),
 # on every step's host path.
-_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+_MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce
 _FALSE = np.zeros(4096, dtype=np.bool_)
 _FALSE.flags.writeable = False
+#: The read-only array whose views are the ``Batch.delayed`` of batches where nothing waits
+#: (``delayed.base is NOTHING_WAITS``: no count needed).
+NOTHING_WAITS = _FALSE
 _NO_IDS = np.empty(0, dtype=np.int64)
 
 
 _I64 = np.dtype(np.int64)
+_BOOL = np.dtype(np.bool_)
 
 
 def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
@@ -127,39 +131,73 @@ class Batch:
     params: dict[int, SamplingParams] | None = None
 
     def __post_init__(self) -> None:
-        check_consumes("Batch", self.consumes)
-        self.ended = _int_vector("ended", self.ended)
-        self.tokens = _int_vector("tokens", self.tokens)
-        self.seg_lens = _int_vector("seg_lens", self.seg_lens)
-        n = self.seg_lens.size
-        self.prefix_lens = _int_vector("prefix_lens", self.prefix_lens, n)
-        self.req_ids = _int_vector("req_ids", self.req_ids, n)
-        if not isinstance(self.sample, np.ndarray) or self.sample.dtype != np.bool_ or self.sample.size != n:
-            raise TypeError(f"Batch.sample must be a bool numpy array of {n} entries, got {self.sample!r}")
-        if n and _MIN(self.seg_lens) < 1:
-            raise ValueError(f"Batch.seg_lens must be >= 1, got min {self.seg_lens.min()}")
-        if n and _MIN(self.prefix_lens) < 0:
-            raise ValueError(f"Batch.prefix_lens must be >= 0, got min {self.prefix_lens.min()}")
+        consumes = self.consumes
+        if type(consumes) is not list or not all(type(h) is FutureIndices for h in consumes):
+            check_consumes("Batch", consumes)
+        ended, tokens, seg_lens, prefix, rids = (
+            self.ended,
+            self.tokens,
+            self.seg_lens,
+            self.prefix_lens,
+            self.req_ids,
+        )
+        # Every array an int64 vector already (the usual case): one test each, no call.
+        if not (
+            type(ended) is np.ndarray
+            and ended.dtype == _I64
+            and ended.ndim == 1
+            and type(tokens) is np.ndarray
+            and tokens.dtype == _I64
+            and tokens.ndim == 1
+            and type(seg_lens) is np.ndarray
+            and seg_lens.dtype == _I64
+            and seg_lens.ndim == 1
+            and type(prefix) is np.ndarray
+            and prefix.dtype == _I64
+            and prefix.shape == seg_lens.shape
+            and type(rids) is np.ndarray
+            and rids.dtype == _I64
+            and rids.shape == seg_lens.shape
+        ):
+            self.ended = ended = _int_vector("ended", ended)
+            self.tokens = tokens = _int_vector("tokens", tokens)
+            self.seg_lens = seg_lens = _int_vector("seg_lens", seg_lens)
+            n = seg_lens.size
+            self.prefix_lens = prefix = _int_vector("prefix_lens", prefix, n)
+            self.req_ids = rids = _int_vector("req_ids", rids, n)
+        n = seg_lens.size
+        sample = self.sample
+        if type(sample) is not np.ndarray or sample.dtype != _BOOL or sample.shape != seg_lens.shape:
+            raise TypeError(f"Batch.sample must be a bool numpy array of {n} entries, got {sample!r}")
+        if n:
+            if _MIN(seg_lens) < 1:
+                raise ValueError(f"Batch.seg_lens must be >= 1, got min {seg_lens.min()}")
+            if _MIN(prefix) < 0:
+                raise ValueError(f"Batch.prefix_lens must be >= 0, got min {prefix.min()}")
         # KV rows, penalty history and parameters are keyed by request id: ids are unique. A set
         # is cheaper than a sort up to a few hundred requests.
-        if n > 1 and (len(set(self.req_ids.tolist())) < n if n <= 256 else _has_repeat(self.req_ids)):
-            ids = np.sort(self.req_ids)
+        if n > 1 and (len(set(rids.tolist())) < n if n <= 256 else _has_repeat(rids)):
+            ids = np.sort(rids)
             same = int(ids[np.flatnonzero(ids[1:] == ids[:-1])[0]])
             raise ValueError(f"Batch.req_ids must be unique, got request {same} twice")
-        self.delayed = check_delayed(self.delayed, n)
+        delayed = self.delayed
+        if delayed is not False or n > _FALSE.size:
+            self.delayed = check_delayed(delayed, n)
+        else:
+            self.delayed = _FALSE[:n]  # nothing waits: a shared read-only view
         if self.params is not None:
-            check_admitted(self.params, self.req_ids)
-        if self.ended.size and n:
+            check_admitted(self.params, rids)
+        if ended.size and n:
             # An ended request's state (KV rows, penalty history) is freed before this step runs.
-            live = np.flatnonzero(np.isin(self.ended, self.req_ids))
+            live = np.flatnonzero(np.isin(ended, rids))
             if live.size:
                 raise ValueError(
-                    f"Batch.ended names request {int(self.ended[live[0]])}, which is in this batch's "
+                    f"Batch.ended names request {int(ended[live[0]])}, which is in this batch's "
                     "req_ids: an ended request appears in no step from this one on"
                 )
-        if int(self.seg_lens.sum()) != self.tokens.size:
-            want = int(self.seg_lens.sum())
-            raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {self.tokens.size}")
+        if n and int(_SUM(seg_lens)) != tokens.size or not n and tokens.size:
+            want = int(_SUM(seg_lens))
+            raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {tokens.size}")
 
     @property
     def n_reqs(self) -> int:

@@ -172,6 +172,16 @@ class FutureMap(SlotPool):
         checks.after_read(ids)
         return ids
 
+    def launch_resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`resolve` without its argument checks, for a caller that built ``ids`` itself
+        (the runtime: a contiguous int64 vector on the map's device, from a checked
+        :class:`tfuture.core.batch.Batch`). Debug mode still checks every slot it reads."""
+        checks = self._checks
+        checks.before_read(ids)
+        launch_resolve_(ids, self.token_map, self.err)
+        checks.after_read(ids)
+        return ids
+
     def prepare_inputs(
         self,
         tokens: torch.Tensor,

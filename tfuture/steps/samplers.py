@@ -32,6 +32,9 @@ class SamplePath(ABC):
 
     #: Whether :meth:`sample` takes a subset of the step's rows.
     splits_rows: bool = False
+    #: Whether :meth:`record` reads the tokens (then a row without a valid token, -1, is read
+    #: as 0 first; else the map's store flags it and stores 0 itself).
+    records: bool = False
 
     @property
     def vocab(self) -> int | None:
@@ -69,6 +72,7 @@ class SamplerPath(SamplePath):
     """tfuture's :class:`Sampler`: parameters admitted with :attr:`Batch.params`, any row subset."""
 
     splits_rows = True
+    records = True
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler

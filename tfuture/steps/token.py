@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from tfuture.core.batch import Batch, ForwardBatch, HostMeta, Model, StepResult
+from tfuture.core.batch import NOTHING_WAITS, Batch, ForwardBatch, HostMeta, Model, StepResult
 from tfuture.core.future_map import FutureMap
 from tfuture.kernels.resolve import PreparedInputs
 from tfuture.sampling import Sampler, SamplerPlan
@@ -63,9 +63,10 @@ def check_placeholders(batch: Batch) -> None:
     ``batch.consumes`` names: it would resolve to an unrelated slot's token (a prompt id of -1
     reads slot 1). Negative ids are placeholders, and only consumed handles make them."""
     tokens, consumes = batch.tokens, batch.consumes
-    if len(consumes) == 1 and consumes[0].slots.size == tokens.size:
+    if len(consumes) == 1:
+        slots = consumes[0]._array()  # checked live by the runtime; never written here
         # The usual decode: exactly the consumed handle's placeholders, in order.
-        if not np.count_nonzero(tokens + consumes[0].slots):
+        if slots.size == tokens.size and not np.count_nonzero(tokens + slots):
             return
     if not tokens.size or _MIN(tokens) >= 0:
         return
@@ -246,7 +247,8 @@ class TokenStep(StepKind):
     def _split_rows(self, batch: Batch, sample_reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``."""
         rows = _arange(sample_reqs.size)
-        if not np.count_nonzero(batch.delayed):  # the common case: nothing waits
+        delayed = batch.delayed
+        if delayed.base is NOTHING_WAITS or not np.count_nonzero(delayed):  # the common case
             return _NO_ROWS, rows, _NO_ROWS
         waits = batch.delayed[sample_reqs]
         n_waits = int(np.count_nonzero(waits))
@@ -263,6 +265,44 @@ class TokenStep(StepKind):
     def prepare(self, rec: InFlight, inputs: TokenInputs) -> None:
         fmap, state = self.fmap, rec.state
         assert fmap is not None
+        host = state.host
+        if self.buckets is None and host.max_seg_len <= 1:
+            # A decode step (one token a request, unpadded): the inputs are the staged arrays
+            # themselves, fresh device memory each step. The tokens resolve in place, a position
+            # is the prefix length, and request q's last row is q (seg_starts[q]).
+            ids, positions, last = (
+                fmap.launch_resolve(inputs.tokens),
+                inputs.prefix_lens,
+                inputs.seg_starts[:-1],
+            )
+            n_reqs = host.seg_lens.size
+        else:
+            ids, positions, last = self._prepare_rows(state, inputs)
+            n_reqs = last.numel()
+        sreq = inputs.sample_reqs
+        # Every request samples and none is padding: the sampling rows are the last rows
+        # themselves, no gather.
+        sample_rows = last if state.n_sample == host.seg_lens.size == n_reqs else last.index_select(0, sreq)
+        state.fwd = ForwardBatch(
+            rec.step,
+            ids,
+            positions,
+            last,
+            inputs.req_ids,
+            inputs.seq_lens,
+            sreq,
+            sample_rows,
+            inputs.seg_starts,
+            host,
+        )
+        if self.samples:
+            state.late_dev, state.now_dev = inputs.late, inputs.now
+            state.sstate = self.path.prepare(state.splan, inputs.sampler_words, ids)
+
+    def _prepare_rows(self, state: TokenState, inputs: TokenInputs) -> PreparedInputs:
+        """The fused prepare of a step with prefill chunks or padding (into a bucket's buffers)."""
+        fmap = self.fmap
+        assert fmap is not None
         out = None
         if self.buckets is not None:
             key = (state.n_rows, inputs.prefix_lens.numel())
@@ -275,27 +315,7 @@ class TokenStep(StepKind):
                     torch.zeros(key[1], dtype=torch.int64, device=dev),
                 )
         # The tensors come from a checked Batch (seg_lens >= 1, prefix_lens >= 0): no second check.
-        prepared = fmap.launch_prepare(
-            inputs.tokens, inputs.seg_starts, inputs.prefix_lens, state.n_rows, out
-        )
-        sreq = inputs.sample_reqs
-        # Every request samples and none is padding (a decode step): the sampling rows are the
-        # last rows themselves, no gather.
-        every = state.n_sample == state.host.seg_lens.size == prepared.last_rows.numel()
-        sample_rows = prepared.last_rows if every else prepared.last_rows.index_select(0, sreq)
-        state.fwd = ForwardBatch(
-            rec.step,
-            *prepared,
-            inputs.req_ids,
-            inputs.seq_lens,
-            sreq,
-            sample_rows,
-            inputs.seg_starts,
-            state.host,
-        )
-        if self.samples:
-            state.late_dev, state.now_dev = inputs.late, inputs.now
-            state.sstate = self.path.prepare(state.splan, inputs.sampler_words, prepared.input_ids)
+        return fmap.launch_prepare(inputs.tokens, inputs.seg_starts, inputs.prefix_lens, state.n_rows, out)
 
     def forward_ops(self, rec: InFlight) -> list[Op]:
         state = rec.state
@@ -369,8 +389,12 @@ class TokenStep(StepKind):
             assert self.fmap is not None
             mask_dev = state.mask.to(self.fmap.device, non_blocking=True)
         self._sample_rows(rec, state.late_dev if state.split else None, mask_dev)
-        state.clean = state.sampled.clamp(min=0)
-        self.path.record(state.sstate, state.clean)
+        path = self.path
+        if path.records:
+            state.clean = state.sampled.clamp(min=0)
+            path.record(state.sstate, state.clean)
+        else:
+            state.clean = state.sampled  # a -1 is stored as 0 and flagged by the store itself
 
     def _sample_rows(self, rec: InFlight, rows: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         """On the stream: sample ``rows`` (all when None) of the step into ``state.sampled``."""

@@ -128,14 +128,12 @@ class CpuStream(ForwardStream):
             self._serve()
 
     def _serve(self) -> None:
-        get, run, cond = self._queue.get, self._run_op, self._cond
+        get, run, cond = self._queue.get, self._run_ops, self._cond
         while True:
             item = get()
             if item is None:
                 return
-            step, ops = item
-            for name, fn in ops:
-                run(name, step, fn)
+            run(*item)
             with cond:
                 self._done += 1
                 cond.notify_all()
@@ -197,6 +195,9 @@ class InlineStream(ForwardStream):
     def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
         self._run_op(name, step, fn)
 
+    def submit_ops(self, step: int, ops: Sequence[tuple[str, Callable[[], object]]]) -> None:
+        self._run_ops(step, ops)
+
     def record(self) -> Marker:
         return _DONE
 
@@ -223,27 +224,45 @@ class CudaStream(ForwardStream):
         self._origin: tuple[torch.cuda.Event, float] | None = None
 
     def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
+        self.submit_ops(step, ((name, fn),))
+
+    def submit_ops(self, step: int, ops: Sequence[tuple[str, Callable[[], object]]]) -> None:
+        """Launch ``ops`` on the stream under one stream context (one switch per step)."""
         if self._error is not None:
             return
         with torch.cuda.stream(self.stream):
+            if self.delay is not None or self.trace:
+                for name, fn in ops:
+                    if self._error is None:
+                        self._launch_op(name, step, fn)
+                return
+            name = ""
             try:
-                if self.delay is not None:
-                    pause = self.delay(name)
-                    if pause > 0:
-                        torch.cuda._sleep(int(pause * self.SLEEP_HZ))
-                if not self.trace:
+                for name, fn in ops:
                     fn()
-                    return
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                if self._origin is None:
-                    self._origin = (start, time.perf_counter())
-                self._pending.append((name, step, start, end))
             except BaseException as exc:
                 self._fail(exc, name, step)
+
+    def _launch_op(self, name: str, step: int, fn: Callable[[], object]) -> None:
+        """One op on the current (forward) stream, with its delay and its span's events."""
+        try:
+            if self.delay is not None:
+                pause = self.delay(name)
+                if pause > 0:
+                    torch.cuda._sleep(int(pause * self.SLEEP_HZ))
+            if not self.trace:
+                fn()
+                return
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            if self._origin is None:
+                self._origin = (start, time.perf_counter())
+            self._pending.append((name, step, start, end))
+        except BaseException as exc:
+            self._fail(exc, name, step)
 
     def record(self) -> Marker:
         ev = torch.cuda.Event()

@@ -108,6 +108,22 @@ class ForwardStream(ABC):
         for name, fn in ops:
             self.submit(name, step, fn)
 
+    def _run_ops(self, step: int, ops: Sequence[tuple[str, Callable[[], object]]]) -> None:
+        """Run ``ops`` in order on the calling thread, as :meth:`_run_op` one by one. With no
+        delay hook and no trace that is one loop in one ``try`` (the host path of every step)."""
+        if self.delay is not None or self.trace:
+            for name, fn in ops:
+                self._run_op(name, step, fn)
+            return
+        if self._error is not None:
+            return
+        name = ""
+        try:
+            for name, fn in ops:
+                fn()
+        except BaseException as exc:
+            self._fail(exc, name, step)
+
     def _run_op(self, name: str, step: int, fn: Callable[[], object]) -> None:
         """Run one op on the calling thread: skip it after a failure, else delay, run, trace."""
         if self._error is not None:
