@@ -247,7 +247,7 @@ class OverlapRuntime:
             raise
         batch.out, batch.step = out, self._step
         host, cut, cuts = staging.array, 0, []
-        for part, size in zip(parts, sizes):
+        for part, size in zip(parts, sizes, strict=True):
             if size:
                 end = cut + size
                 host[cut:end] = part
@@ -267,7 +267,7 @@ class OverlapRuntime:
             views = torch.tensor_split(dev_in, cuts) if cuts else (dev_in,)
             if not dense:
                 it = iter(views)
-                views = [next(it) if size else empty for size in sizes]
+                views = tuple(next(it) if size else empty for size in sizes)
             kind.prepare(rec, make(views))  # the kind's named inputs, as device views
 
         delayed = rec.delayed = plan.delayed

@@ -195,8 +195,8 @@ class Batch:
                     f"Batch.ended names request {int(ended[live[0]])}, which is in this batch's "
                     "req_ids: an ended request appears in no step from this one on"
                 )
-        if n and int(_SUM(seg_lens)) != tokens.size or not n and tokens.size:
-            want = int(_SUM(seg_lens))
+        want = int(_SUM(seg_lens))
+        if want != tokens.size:
             raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {tokens.size}")
 
     @property

@@ -140,7 +140,7 @@ class TokenState:
     fwd: ForwardBatch | None = None
     logits: torch.Tensor | None = None
     sampled: torch.Tensor | None = None  # -1 where a row got no valid token (checked on the host)
-    clean: torch.Tensor | None = None  # sampled, -1 read as 0: what the map and history get
+    clean: torch.Tensor | None = None  # what the map gets: -1 read as 0 when the path records history
     mask: torch.Tensor | None = None
     mask_ready: Any = None  # a CUDA event when the mask was built on the caller's stream
     unchecked: np.ndarray | None = None  # mask rows' request ids, checked once the vocab is known

@@ -238,7 +238,7 @@ class CudaStream(ForwardStream):
                 return
             name = ""
             try:
-                for name, fn in ops:
+                for name, fn in ops:  # noqa: B007 - the failing op's name is read below
                     fn()
             except BaseException as exc:
                 self._fail(exc, name, step)

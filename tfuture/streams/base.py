@@ -119,7 +119,7 @@ class ForwardStream(ABC):
             return
         name = ""
         try:
-            for name, fn in ops:
+            for name, fn in ops:  # noqa: B007 - the failing op's name is read below
                 fn()
         except BaseException as exc:
             self._fail(exc, name, step)
