@@ -15,6 +15,10 @@ step was launched):
   no runtime: alloc, the step's index data in a reusable staging buffer, one H2D copy,
   ``launch_prepare``, forward, sample, store, the D2H copy of tokens and error flag, release.
   Inline on CPU (a side stream on a GPU).
+* ``floor_<mode>``: the hand loop that also builds, per step, the checked ``Batch`` a scheduler
+  hands the runtime and the ``StepResult`` that ``process`` gets (``HandLoop(batches=True)``):
+  the floor of any runtime whose steps come as checked batches. ``floor / hand`` is what
+  checking a batch costs; ``runtime / floor`` is the runtime's own loop.
 * ``minimal_<mode>``: :class:`perf.decode.MinimalLoop`, a minimal decode loop in plain torch, no
   ``FutureMap``: a token buffer indexed by request row; per step one H2D copy of the step's
   index data (rows, positions, lengths), gather of the last tokens, forward, sample, scatter
@@ -52,8 +56,15 @@ BACKENDS = (["auto"] if HAS_CUDA else []) + ["worker", "inline"]
 JUDGED = "auto" if HAS_CUDA else "inline"  # the backend the contract reads: the host path a GPU sees
 MODES = ("sync", "overlap")
 LINES = [f"runtime_{m}_{b}" for b in BACKENDS for m in MODES]
-LINES += [f"{kind}_{m}" for kind in ("hand", "minimal") for m in MODES]
-COLORS = {"auto": "green", "worker": "blue", "inline": "red", "hand": "black", "minimal": "gray"}
+LINES += [f"{kind}_{m}" for kind in ("hand", "floor", "minimal") for m in MODES]
+COLORS = {
+    "auto": "green",
+    "worker": "blue",
+    "inline": "red",
+    "hand": "black",
+    "floor": "purple",
+    "minimal": "gray",
+}
 # Runtime lines colored by backend, the loops by kind; sync dashed.
 STYLES = [
     (
@@ -83,8 +94,9 @@ def make_run(line: str, n: int) -> Callable[[int], object]:
     overlap = mode == "overlap"
     if kind == "runtime":
         return make_runtime(n, overlap, backend[0])
-    if kind == "hand":
-        return HandLoop(ZeroModel(n, DEVICE), n, overlap, "cuda" if HAS_CUDA else "inline", DEVICE).run
+    if kind in ("hand", "floor"):
+        stream = "cuda" if HAS_CUDA else "inline"
+        return HandLoop(ZeroModel(n, DEVICE), n, overlap, stream, DEVICE, batches=kind == "floor").run
     return MinimalLoop(n, overlap, DEVICE).run
 
 
@@ -195,10 +207,13 @@ def main() -> None:
     sizes = [n for n in TARGET_BATCHES if n in MAX_RUNNING]
     over_hand: dict[str, dict[str, float | None]] = {}
     over_minimal: dict[str, dict[str, float | None]] = {}
+    over_floor: dict[str, dict[str, float | None]] = {}
     for mode in MODES:
         judged = f"runtime_{mode}_{JUDGED}"
         over_hand[judged] = {str(n): ratio(n, judged, f"hand_{mode}") for n in sizes}
-        for num in (judged, f"hand_{mode}"):
+        over_hand[f"floor_{mode}"] = {str(n): ratio(n, f"floor_{mode}", f"hand_{mode}") for n in sizes}
+        over_floor[judged] = {str(n): ratio(n, judged, f"floor_{mode}") for n in sizes}
+        for num in (judged, f"hand_{mode}", f"floor_{mode}"):
             over_minimal[num] = {str(n): ratio(n, num, f"minimal_{mode}") for n in sizes}
     # Every runtime line at every size, process CPU over the hand loop of its mode (information).
     cpu_over_hand = {
@@ -221,6 +236,7 @@ def main() -> None:
             "thread_cpu_us_per_step": us,
             "thread_cpu_over_hand": over_hand,
             "thread_cpu_over_minimal": over_minimal,
+            "thread_cpu_over_floor": over_floor,
             "cpu_over_hand": cpu_over_hand,
         },
     )
@@ -228,7 +244,7 @@ def main() -> None:
     for line, values in us.items():
         print(f"  {line:24s} {values}")
     print(f"host thread CPU per step, {JUDGED} stream, trace off (median of per-repeat ratios):")
-    for name, table in (("/ hand", over_hand), ("/ minimal", over_minimal)):
+    for name, table in (("/ hand", over_hand), ("/ floor", over_floor), ("/ minimal", over_minimal)):
         for line, got in table.items():
             print(f"  {line:24s} {name:10s} {got}")
     print("process CPU per step / hand loop of the same mode (information):")

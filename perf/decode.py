@@ -175,7 +175,10 @@ class HandLoop:
     ``"worker"`` (a bare worker thread, the CPU's stand-in device, under the runtime worker's
     GIL switch interval) or ``"cuda"`` (a side stream). ``time_model``: time every forward plus
     sample into ``model_s`` (``perf_counter`` on CPU, CUDA events on a GPU). ``clock``: a
-    :class:`StepClock` stamped as each step is processed.
+    :class:`StepClock` stamped as each step is processed. ``batches``: also build, per step, the
+    checked :class:`tfuture.core.batch.Batch` that a scheduler hands a runtime (with the consumed
+    handle) and the :class:`StepResult` that its ``process`` gets: the floor of any runtime
+    whose steps come as checked batches.
     """
 
     N_STAGING = 4
@@ -190,13 +193,15 @@ class HandLoop:
         host_work_s: float = 0.0,
         time_model: bool = False,
         clock: StepClock | None = None,
+        batches: bool = False,
     ) -> None:
         if stream not in ("inline", "worker", "cuda"):
             raise ValueError(f"stream must be 'inline', 'worker' or 'cuda', got {stream!r}")
         self.model, self.n, self.overlap, self.stream, self.device = model, n, overlap, stream, device
         self.host_work_s, self.clock = host_work_s, clock
-        self.time_model = time_model
+        self.time_model, self.batches = time_model, batches
         self.model_s: list[float] = []
+        self.ones = np.ones(n, dtype=np.int64)
         self.fmap = FutureMap(4 * n + 64, device=device)
         self.keep = np.ones(n, dtype=bool)
         self.seg_starts, self.req_ids = np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64)
@@ -220,11 +225,16 @@ class HandLoop:
         saved = sys.getswitchinterval()
         if worker is not None:
             sys.setswitchinterval(min(saved, WORKER_SWITCH_S))
-        prev: tuple[Any, int, Any] | None = None  # (out, staging index, marker) of the unread step
+        # (out, staging index, marker, batch) of the unread step
+        prev: tuple[Any, int, Any, Batch | None] | None = None
         try:
             for step in range(steps):
                 kept = prev[0].filter(keep) if prev is not None else None
                 ids = tokens if kept is None else kept.host_placeholders()
+                batch = None
+                if self.batches:
+                    consumes = [] if kept is None else [kept]
+                    batch = Batch(ids, self.ones, positions.copy(), self.req_ids, keep, consumes=consumes)
                 out = fmap.alloc(n)
                 k = step % self.N_STAGING
                 a = ins[k]
@@ -247,7 +257,7 @@ class HandLoop:
                     marker = None
                 if kept is not None:
                     fmap.release(kept)  # its resolve is enqueued: stream order protects the slots
-                cur: tuple[Any, int, Any] | None = (out, k, marker)
+                cur: tuple[Any, int, Any, Batch | None] | None = (out, k, marker, batch)
                 if self.overlap:
                     cur, prev = prev, cur
                 if cur is not None:
@@ -273,9 +283,15 @@ class HandLoop:
     ) -> Callable[[], None]:
         """The step's work on the stream, one closure."""
         fmap, model, n, dev, split = self.fmap, self.model, self.n, self.device, self.split
+        on_cpu = fmap.device.type == "cpu"
+        host_array = self.in_arrays[step % self.N_STAGING]  # host_in's numpy view
 
         def ops() -> None:
-            dev_in = host_in.to(dev, non_blocking=True, copy=True)
+            # As the runtime copies: numpy for a CPU map, else one H2D copy.
+            if on_cpu:
+                dev_in = torch.from_numpy(host_array.copy())
+            else:
+                dev_in = host_in.to(dev, non_blocking=True, copy=True)
             ids, seg, prefix, rids, lens, sreq = torch.tensor_split(dev_in, split)
             # A decode step, as the runtime prepares one: resolve in place, the rest are views.
             last = seg[:-1]
@@ -299,7 +315,7 @@ class HandLoop:
 
         return ops
 
-    def _read(self, out: Any, k: int, marker: Any, worker: _Worker | None) -> np.ndarray:
+    def _read(self, out: Any, k: int, marker: Any, batch: Batch | None, worker: _Worker | None) -> np.ndarray:
         """Wait for a step's copy, check its error flag, release its handle, do the host work."""
         if worker is not None:
             worker.wait(marker)
@@ -309,6 +325,8 @@ class HandLoop:
         if got[self.n]:
             raise AssertionError(f"hand loop: {got[self.n]} bad placeholder(s)")
         self.fmap.release(out)
+        if batch is not None:
+            StepResult(batch.step, batch, got[: self.n])  # what a scheduler's process would get
         process_step(self.host_work_s, self.clock)
         return got[: self.n]
 

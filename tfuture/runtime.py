@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from tfuture.core.batch import Model, Scheduler
@@ -259,11 +260,16 @@ class OverlapRuntime:
         rec = InFlight(self._step, batch, out, staging, plan.state)
         self._step += 1
         self._inflight.append(rec)
-        data, dev, empty, make = staging.data[:total], fmap.device, self._empty, type(parts)._make
+        dev, empty, make = fmap.device, self._empty, type(parts)._make
+        # A CPU map copies with numpy (a fresh array the step owns: no torch dispatch).
+        data: Any = staging.array[:total] if dev.type == "cpu" else staging.data[:total]
 
         def prepare() -> None:
             # A real copy on every backend: the step must not alias the reusable host buffer.
-            dev_in = data.to(dev, non_blocking=True, copy=True)
+            if type(data) is np.ndarray:
+                dev_in = torch.from_numpy(data.copy())
+            else:
+                dev_in = data.to(dev, non_blocking=True, copy=True)
             views = torch.tensor_split(dev_in, cuts) if cuts else (dev_in,)
             if not dense:
                 it = iter(views)

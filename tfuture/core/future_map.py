@@ -136,6 +136,21 @@ class FutureMap(SlotPool):
             raise ValueError("store expects a handle with distinct slots, got one naming a slot twice")
         if n == 0:
             return
+        # tokens were checked above; the map and the handle's slots are the map's own.
+        self.launch_store(fi, tokens)
+
+    def launch_store(self, fi: FutureIndices, tokens: torch.Tensor) -> None:
+        """:meth:`store` without the checks its caller made: for the runtime, whose ``fi`` is a
+        live handle it allocated itself (fresh, distinct slots) and whose ``tokens`` are a
+        contiguous int32/int64 ``[len(fi)]`` vector (checked by the sample path). The device
+        and the int32 fit are still checked, and debug mode still checks every slot."""
+        if fi._gens is not None:
+            fi.check_live("store")  # debug: none of its slots was handed out again
+        if tokens.device != self.device:
+            check_same_device("tokens", tokens, "the FutureMap", self.token_map)
+        n = fi._n
+        if n == 0:
+            return
         is_cuda = tokens.is_cuda
         if not is_cuda and self._narrow32 and tokens.dtype == torch.int64:
             _check_fits(tokens.numpy(), self.dtype)
@@ -145,7 +160,6 @@ class FutureMap(SlotPool):
             tokens.record_stream(torch.cuda.current_stream(tokens.device))
         start = fi._start
         if start >= 0:
-            # tokens were checked above; the map and the handle's slots are the map's own.
             launch_store(self.token_map, range(start, start + n), tokens, self.err)
         else:
             dev_slots = torch.from_numpy(fi._array())

@@ -24,6 +24,8 @@ from tfuture.sampling.plan import greedy_plan
 
 __all__ = ["ModelSamplePath", "SamplePath", "SamplerPath", "sample_path"]
 
+_TOKEN_DTYPES = (torch.int32, torch.int64)
+
 
 class SamplePath(ABC):
     """How a token step samples. Host: :meth:`plan` per step; forward stream: :meth:`prepare`
@@ -144,11 +146,11 @@ class ModelSamplePath(SamplePath):
         if mask is not None and mask.dtype != torch.bool:
             mask = unpack_bitmask(mask, int(logits.shape[1]))
         tokens = self.model_sample(logits, fwd, mask)
-        if not isinstance(tokens, torch.Tensor) or tokens.shape != (n,) or tokens.is_floating_point():
+        if not isinstance(tokens, torch.Tensor) or tokens.shape != (n,) or tokens.dtype not in _TOKEN_DTYPES:
             got = (
                 f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens)
             )
-            raise ValueError(f"sample must return [{n}] integer token ids, got {got}")
+            raise ValueError(f"sample must return [{n}] int32 or int64 token ids, got {got}")
         return tokens.contiguous()
 
 

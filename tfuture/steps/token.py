@@ -320,10 +320,11 @@ class TokenStep(StepKind):
     def forward_ops(self, rec: InFlight) -> list[Op]:
         state = rec.state
         ops: list[Op] = []
-        release = getattr(self.model, "release", None)
-        if state.ended.size and release is not None:
-            ended = state.ended
-            ops.append(("release", lambda: release(ended)))
+        if state.ended.size:
+            release = getattr(self.model, "release", None)
+            if release is not None:
+                ended = state.ended
+                ops.append(("release", lambda: release(ended)))
         ops += self.model_ops(rec)
         if self.samples and state.split:
             # Only the waiting rows wait: the others sample now, while the host builds the mask.
@@ -343,10 +344,15 @@ class TokenStep(StepKind):
         return [("forward", forward)]
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
-        self.take_mask(rec, mask)
+        if mask is not None:
+            self.take_mask(rec, mask)
         fmap, state = self.fmap, rec.state
         assert fmap is not None
-        return [("sample", lambda: self.sample(rec)), ("store", lambda: fmap.store(rec.out, state.clean))]
+        # The runtime's own fresh handle, tokens checked by the sample path: the lean store.
+        return [
+            ("sample", lambda: self.sample(rec)),
+            ("store", lambda: fmap.launch_store(rec.out, state.clean)),
+        ]
 
     def take_mask(self, rec: InFlight, mask: object) -> None:
         """HOST: check a delayed step's mask (every row allows a token; the width, once the
