@@ -186,7 +186,9 @@ class OverlapRuntime:
             if max_steps is not None and stats.steps >= max_steps:
                 cut = True
                 break
-            batch = self._host("schedule", self._step, scheduler.schedule)
+            batch = (
+                self._host("schedule", self._step, scheduler.schedule) if self.trace else scheduler.schedule()
+            )
             if batch is None:
                 if prev is None:
                     break
@@ -254,13 +256,17 @@ class OverlapRuntime:
                 host[cut:end] = part
                 cuts.append(end)
                 cut = end
-        dense = len(cuts) == len(sizes)  # no empty part: the views are the split itself
+        # Empty parts get the shared empty tensor (a view costs about a microsecond each); when
+        # they all come last (the usual case) the views are the split and a tuple of them.
+        n_live = len(cuts)
+        trailing = len(sizes) - n_live if not any(sizes[n_live:]) else -1
         if cuts:
             cuts.pop()
         rec = InFlight(self._step, batch, out, staging, plan.state)
         self._step += 1
         self._inflight.append(rec)
-        dev, empty, make = fmap.device, self._empty, type(parts)._make
+        dev, make = fmap.device, type(parts)._make
+        empty, empties = self._empty, (self._empty,) * max(trailing, 0)
         # A CPU map copies with numpy (a fresh array the step owns: no torch dispatch).
         data: Any = staging.array[:total] if dev.type == "cpu" else staging.data[:total]
 
@@ -270,8 +276,10 @@ class OverlapRuntime:
                 dev_in = torch.from_numpy(data.copy())
             else:
                 dev_in = data.to(dev, non_blocking=True, copy=True)
-            views = torch.tensor_split(dev_in, cuts) if cuts else (dev_in,)
-            if not dense:
+            views = torch.tensor_split(dev_in, cuts) if cuts else (dev_in,) if n_live else ()
+            if trailing > 0:
+                views += empties
+            elif trailing < 0:
                 it = iter(views)
                 views = tuple(next(it) if size else empty for size in sizes)
             kind.prepare(rec, make(views))  # the kind's named inputs, as device views

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tfuture.streams.base import Marker
 from tfuture.streams.staging import StagingRing
 
 
@@ -31,7 +32,7 @@ def test_a_buffer_is_reused_only_after_its_last_copy():
     markers = []
     for step in range(3):
         buf = ring.acquire(4, stream)
-        buf.marker = marker = ("copy of step", step)
+        buf.marker = marker = Marker(seq=step + 1)
         markers.append(marker)
     assert stream.waited == []
     ring.acquire(4, stream)  # buffer 0 again: step 0's copy must have run first
@@ -40,10 +41,18 @@ def test_a_buffer_is_reused_only_after_its_last_copy():
     assert stream.waited == markers[:2]
 
 
+def test_a_marker_born_complete_is_not_waited_for():
+    ring, stream = StagingRing(3, False, "outputs"), RecordingStream()
+    for _ in range(3):
+        ring.acquire(4, stream).marker = Marker(done=True)  # the inline stream's
+    ring.acquire(4, stream)
+    assert stream.waited == []
+
+
 def test_reset_forgets_the_markers_of_a_drained_stream():
     ring, stream = StagingRing(3, False, "inputs"), RecordingStream()
-    for _ in range(3):
-        ring.acquire(4, stream).marker = object()
+    for step in range(3):
+        ring.acquire(4, stream).marker = Marker(seq=step + 1)
     ring.reset()
     ring.acquire(4, stream)
     assert stream.waited == []

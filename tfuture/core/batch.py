@@ -132,7 +132,11 @@ class Batch:
 
     def __post_init__(self) -> None:
         consumes = self.consumes
-        if type(consumes) is not list or not all(type(h) is FutureIndices for h in consumes):
+        if type(consumes) is not list or (
+            consumes
+            and not (len(consumes) == 1 and type(consumes[0]) is FutureIndices)
+            and not all(type(h) is FutureIndices for h in consumes)
+        ):
             check_consumes("Batch", consumes)
         ended, tokens, seg_lens, prefix, rids = (
             self.ended,

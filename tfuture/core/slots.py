@@ -26,11 +26,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tfuture.core.checks import as_count, host_index
+from tfuture.core.checks import as_count, count_nonzero, host_index
 from tfuture.core.errors import FutureError, FutureMapFull
 
 _BOOL = np.dtype(np.bool_)
-_count_nonzero = np.count_nonzero
+_count_nonzero = count_nonzero
 # A 0-d operand: in-place arithmetic with it skips the Python scalar's conversion (about half
 # the cost of ``run -= 1``).
 _ONE = np.ones((), dtype=np.int64)
@@ -142,7 +142,7 @@ class SlotPool:
     def release_live(self, handles: list[FutureIndices]) -> None:
         """Release every handle of ``handles`` that is still live, then empty the list."""
         for h in handles:
-            if not h.released:
+            if not h._released:
                 self.release(h)
         handles.clear()
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tfuture.core.batch import NOTHING_WAITS, Batch, ForwardBatch, HostMeta, Model, StepResult
+from tfuture.core.checks import count_nonzero
 from tfuture.core.future_map import FutureMap
 from tfuture.kernels.resolve import PreparedInputs
 from tfuture.sampling import Sampler, SamplerPlan
@@ -66,7 +67,7 @@ def check_placeholders(batch: Batch) -> None:
     if len(consumes) == 1:
         slots = consumes[0]._array()  # checked live by the runtime; never written here
         # The usual decode: exactly the consumed handle's placeholders, in order.
-        if slots.size == tokens.size and not np.count_nonzero(tokens + slots):
+        if slots.size == tokens.size and not count_nonzero(tokens + slots):
             return
     if not tokens.size or _MIN(tokens) >= 0:
         return
@@ -197,13 +198,13 @@ class TokenStep(StepKind):
         if not isinstance(batch, Batch):
             raise TypeError(f"schedule() must return a Batch or None, got {type(batch).__name__}")
         state, inputs = self.plan_batch(batch)
-        return StepPlan(state.n_sample, inputs, state, bool(state.late.size))
+        return StepPlan(state.sample_reqs.size, inputs, state, bool(state.late.size))
 
     def plan_batch(self, batch: Batch) -> tuple[TokenState, TokenInputs]:
         """The host side of ``batch``: its record and its staged arrays."""
         check_placeholders(batch)
         n_reqs, n_tok = batch.n_reqs, batch.tokens.size
-        every = np.count_nonzero(batch.sample) == n_reqs
+        every = count_nonzero(batch.sample) == n_reqs
         sample_reqs = _arange(n_reqs) if every else np.flatnonzero(batch.sample)
         n_rows, n_pad = n_tok, n_reqs
         if self.buckets is not None:
@@ -248,10 +249,10 @@ class TokenStep(StepKind):
         """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``."""
         rows = _arange(sample_reqs.size)
         delayed = batch.delayed
-        if delayed.base is NOTHING_WAITS or not np.count_nonzero(delayed):  # the common case
+        if delayed.base is NOTHING_WAITS or not count_nonzero(delayed):  # the common case
             return _NO_ROWS, rows, _NO_ROWS
         waits = batch.delayed[sample_reqs]
-        n_waits = int(np.count_nonzero(waits))
+        n_waits = int(count_nonzero(waits))
         if n_waits == 0:
             return _NO_ROWS, rows, _NO_ROWS
         if n_waits == rows.size:
@@ -282,7 +283,8 @@ class TokenStep(StepKind):
         sreq = inputs.sample_reqs
         # Every request samples and none is padding: the sampling rows are the last rows
         # themselves, no gather.
-        sample_rows = last if state.n_sample == host.seg_lens.size == n_reqs else last.index_select(0, sreq)
+        n_sample = state.sample_reqs.size
+        sample_rows = last if n_sample == host.seg_lens.size == n_reqs else last.index_select(0, sreq)
         state.fwd = ForwardBatch(
             rec.step,
             ids,

@@ -182,7 +182,7 @@ class CpuStream(ForwardStream):
         return self._thread.is_alive()
 
 
-_DONE = Marker()
+_DONE = Marker(done=True)
 
 
 class InlineStream(ForwardStream):

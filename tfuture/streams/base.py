@@ -36,6 +36,7 @@ class Marker:
 
     seq: int = 0
     cuda_event: torch.cuda.Event | None = None
+    done: bool = False  # born complete (the inline stream's): waiting on it is a no-op
 
 
 Delay = Callable[[str], float]

@@ -49,8 +49,9 @@ class StagingRing:
         """A buffer of at least ``n`` elements whose previous copy has completed."""
         buf = self._bufs[self._next]
         self._next = (self._next + 1) % len(self._bufs)
-        if buf.marker is not None:
-            stream.wait(buf.marker)
+        marker = buf.marker
+        if marker is not None and not marker.done:
+            stream.wait(marker)
         if buf.data.numel() < n:
             buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
             buf.array = buf.data.numpy()
