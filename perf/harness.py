@@ -91,7 +91,10 @@ def _git(*args: str) -> str | None:
 def write_meta(skipped: tuple[str, str] | None = None) -> None:
     """Write the machine into ``meta.json``; ``skipped``: (benchmark, what did not run and why)."""
     meta = read_json("meta.json")
-    head, diff = _git("rev-parse", "HEAD"), _git("status", "--porcelain", "-uno", "--", "tfuture", "perf")
+    head, diff = (
+        _git("rev-parse", "HEAD"),
+        _git("status", "--porcelain", "-uno", "--", "tfuture", "perf", ":(exclude)perf/results"),
+    )  # the results being written are not the code that measured them
     meta.update(device=device_slug(), device_name=device_name(), ci=CI, torch_threads=torch.get_num_threads())
     meta.update(torch=torch.__version__, triton=triton.__version__, python=sys.version.split()[0])
     meta.update(cuda=torch.version.cuda, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
