@@ -327,8 +327,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "map-resolve-unflagged",
         "tfuture/core/future_map.py",
-        "launch_resolve_(ids, self.token_map, self.err)",
-        "launch_resolve_(ids, self.token_map, None)",
+        "launch_resolve_(ids, self.token_map, self.err)\n        checks.after_read(ids)\n"
+        "        return ids\n\n    def launch_resolve(",
+        "launch_resolve_(ids, self.token_map, None)\n        checks.after_read(ids)\n"
+        "        return ids\n\n    def launch_resolve(",
         ("tests/core/test_futures.py",),
         "FutureMap.resolve passes no error flag: a bad placeholder is never reported",
     ),
@@ -370,9 +372,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "runtime-process-failure-leaks-out",
         "tfuture/runtime.py",
-        "            if not rec.out.released:\n"
-        "                self.fmap.release(rec.out)\n"
-        "            raise\n",
+        "            if not out.released:\n                fmap.release(out)\n            raise\n",
         "            raise\n",
         ("tests/runtime/test_runtime.py::test_failure_surfaces_and_loop_stops_cleanly",),
         "an exception in process() leaks the step's out slots",
@@ -380,7 +380,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "runtime-deferred-release",
         "tfuture/runtime.py",
-        "if self.kind.keeps_out and self._step <= rec.step + 1:",
+        "if kind.keeps_out and self._step <= rec.step + 1:",
         "if False:",
         ("tests/runtime/test_speculative.py", "tests/runtime/test_spec_faults.py"),
         "a speculative step's slots are released while the next step still names them",
@@ -397,7 +397,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "staging-no-wait",
         "tfuture/streams/staging.py",
-        "        if buf.marker is not None:\n            stream.wait(buf.marker)\n",
+        "        if marker is not None and not marker.done:\n            stream.wait(marker)\n",
         "",
         ("tests/runtime/test_staging_ring.py",),
         "a staging buffer is handed out again before its last copy ran",
@@ -421,8 +421,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "token-delayed-non-sampling",
         "tfuture/steps/token.py",
-        "        n_waits = int(np.count_nonzero(waits))\n",
-        "        n_waits = int(np.count_nonzero(batch.delayed))\n",
+        "        n_waits = int(count_nonzero(waits))\n",
+        "        n_waits = int(count_nonzero(batch.delayed))\n",
         ("tests/runtime/test_delayed_decision.py",),
         "a delayed entry of a request that does not sample delays the step",
     ),
@@ -550,5 +550,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if done is None:\n            return ops\n",
         ("tests/distributed/test_dist_edges.py",),
         "a step whose delivered micro-batch sampled nothing still takes and stores tokens",
+    ),
+    Mutant(
+        "token-decode-last-rows",
+        "tfuture/steps/token.py",
+        "                inputs.prefix_lens,\n                inputs.seg_starts[:-1],\n",
+        "                inputs.prefix_lens,\n                inputs.seg_starts[1:],\n",
+        ("tests/models/test_hf.py", "tests/runtime/test_model_protocol.py"),
+        "a decode step's last rows are shifted by one (each request samples its neighbour's logits)",
+    ),
+    Mutant(
+        "token-decode-positions",
+        "tfuture/steps/token.py",
+        "                inputs.prefix_lens,\n                inputs.seg_starts[:-1],\n",
+        "                inputs.seq_lens,\n                inputs.seg_starts[:-1],\n",
+        ("tests/models/test_hf.py", "tests/runtime/test_model_protocol.py"),
+        "a decode step's positions are one past the token's (prefix + 1)",
+    ),
+    Mutant(
+        "runtime-trailing-empty-parts",
+        "tfuture/runtime.py",
+        "            if trailing > 0:\n                views += empties\n",
+        "            if trailing > 0:\n                views += empties[1:]\n",
+        ("tests/runtime/test_runtime.py",),
+        "a step's staged inputs lose an empty part at their end",
     ),
 )

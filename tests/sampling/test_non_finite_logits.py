@@ -73,7 +73,8 @@ class Crafted:
 
 
 class TwoDecodes:
-    def __init__(self) -> None:
+    def __init__(self, with_params: bool = True) -> None:
+        self.with_params = with_params
         self.n = 0
         self.last: Batch | None = None
         self.processed: list[int] = []
@@ -85,7 +86,9 @@ class TwoDecodes:
         if self.last is not None and self.last.out is not None:
             kept = self.last.out.filter(np.array([True, True]))
             consumes, tokens = [kept], kept.host_placeholders()
-        params = {10: SamplingParams(temperature=1.0, seed=1), 11: SamplingParams()} if self.n == 0 else None
+        params = None
+        if self.n == 0 and self.with_params:
+            params = {10: SamplingParams(temperature=1.0, seed=1), 11: SamplingParams()}
         ones = np.ones(2, np.int64)
         batch = Batch(
             tokens,
@@ -116,3 +119,30 @@ def test_the_runtime_raises_naming_the_request_and_step(overlap: bool) -> None:
     with pytest.raises(ValueError, match=r"step 1: the sampler found no valid token for request id 11"):
         OverlapRuntime(Crafted(), fmap, overlap=overlap, sampler=Sampler()).run(sched)
     assert sched.processed == [0] and fmap.in_use == 0
+
+
+class MarksItsOwn(Crafted):
+    """A model whose own ``sample`` returns -1 for request 11 from step 1 on (no valid token)."""
+
+    def __init__(self) -> None:
+        self.stored: list[torch.Tensor] = []
+
+    def sample(self, logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
+        tokens = torch.full((logits.shape[0],), 2, dtype=torch.int64)
+        if batch.step >= 1:
+            tokens[1] = -1
+        return tokens
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_models_own_minus_one_raises_naming_the_request_and_is_never_stored(overlap: bool) -> None:
+    # The runtime stores a model's tokens unclamped: the store writes 0 for the -1 and flags it,
+    # and the step's own check (first) names the request.
+    fmap = FutureMap(16, device="cpu")
+    sched = TwoDecodes(with_params=False)  # the model samples itself: no parameters to admit
+    rt = OverlapRuntime(MarksItsOwn(), fmap, overlap=overlap)
+    with pytest.raises(ValueError, match=r"step 1: the sampler found no valid token for request id 11"):
+        rt.run(sched)
+    assert sched.processed == [0] and fmap.in_use == 0
+    assert int(fmap.token_map.min()) >= 0  # no -1 ever reached the map
+    assert fmap.err.tolist() == [0, 0]  # the run's abort cleared the flag
