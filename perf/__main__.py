@@ -35,6 +35,7 @@ BENCHES = [
     "bench_sampling",
     "bench_grammar_overlap",
     "bench_distributed",
+    "bench_hf",
 ]
 # What a full run rewrites: files a run of older benchmarks left behind go too.
 OWNED = (".csv", ".png", ".html", "meta.json", "summary.json", "README.md")

@@ -9,6 +9,9 @@ host per processed step (Python holding the GIL). The runtime runs on the CPU wo
 (``stream="worker"``; CUDA streams on a GPU) with ``trace=False``. Lines, per batch size:
 
 * ``overlap``, ``sync``: ``OverlapRuntime(..., overlap=True / False)``.
+* ``graphs`` (CUDA only): ``OverlapRuntime(..., overlap=True, buckets=Buckets((bs,), (bs,)),
+  graphs=True)``: every step is the bucket's captured step graph (one H2D copy, one replay, one
+  D2H copy). On a CPU map a step graph is only emulated (no speedup), so the line is not drawn.
 * ``hand overlap``: :class:`perf.decode.HandLoop`, the same model and the same tensor work in a
   hand-written overlapped loop on a ``FutureMap``: no runtime, a bare worker thread (a side
   stream on a GPU) under the same GIL switch interval as the runtime's worker.
@@ -34,8 +37,7 @@ differences: the model's ops are billed to neither, and time the host thread spe
 One more point (batch 16, T_dev 4 ms, T_cpu 2 ms, overlap) measures the forward stream's idle
 share; it needs the stream's op spans, so that run alone has ``trace=True``.
 
-No "overlap with step graphs" line: the runtime has no option that captures a step in a CUDA
-graph yet (``buckets=`` only pads shapes so that a model can capture its own graphs).
+The ``graphs`` line needs a CUDA device (``tfuture.steps.graphs``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from perf.decode import DecodeScheduler, HandLoop, StepClock, spin
 from perf.harness import DEVICE, HAS_CUDA
 from tfuture import FutureMap
 from tfuture.runtime import OverlapRuntime
+from tfuture.steps.token import Buckets
 from tfuture.testing import ToyModel
 
 T_MS = harness.sweep([0.5, 1, 2, 4, 10], [1, 4, 10])
@@ -63,17 +66,25 @@ STREAM = "auto" if HAS_CUDA else "worker"  # the runtime's backend: CUDA streams
 HAND_STREAM = "cuda" if HAS_CUDA else "worker"
 IDLE = (4.0, 2.0, 16)  # T_dev ms, T_cpu ms, batch of the idle-share run
 MODES = ("overlap", "sync")
-COLORS = {"overlap": "blue", "sync": "red", "hand_overlap": "green", "nominal": "black"}
+COLORS = {"overlap": "blue", "sync": "red", "hand_overlap": "green", "nominal": "black", "graphs": "purple"}
+GRAPHS = ("graphs",) if HAS_CUDA else ()  # step graphs: CUDA only
+RATIO_LINES = ("overlap", "sync", *GRAPHS, "hand_overlap")
 
 
 def key(t_ms: float) -> str:
     return f"{t_ms:g}"
 
 
-def runtime_run(bs: int, t_s: float, overlap: bool) -> Callable[[int], tuple[float, float]]:
-    """``run(steps)`` of an OverlapRuntime: (wall s, host CPU s without the spin) per step."""
+def runtime_run(
+    bs: int, t_s: float, overlap: bool, graphs: bool = False
+) -> Callable[[int], tuple[float, float]]:
+    """``run(steps)`` of an OverlapRuntime: (wall s, host CPU s without the spin) per step;
+    ``graphs``: every (decode) step as its bucket's step graph."""
     model, fmap = ToyModel(work_s=t_s), FutureMap(4 * bs + 64, device=DEVICE)
-    rt = OverlapRuntime(model, fmap, overlap=overlap, stream=STREAM, trace=False)
+    buckets = Buckets((bs,), (bs,)) if graphs else None
+    rt = OverlapRuntime(
+        model, fmap, overlap=overlap, stream=STREAM, trace=False, buckets=buckets, graphs=graphs
+    )
 
     def run(steps: int) -> tuple[float, float]:
         clock = StepClock()
@@ -131,6 +142,7 @@ def measure(t_ms: float, bs: int) -> dict[str, np.ndarray]:
         "overlap": (runtime_run(bs, t_s, True), STEPS),
         "sync": (runtime_run(bs, t_s, False), STEPS),
         "hand_overlap": (hand_run(bs, t_s, True), STEPS),
+        **{name: (runtime_run(bs, t_s, True, graphs=True), STEPS) for name in GRAPHS},
         "t_dev": (t_dev_run(bs, t_s), max(STEPS // 2, SKIP + 8)),
         "t_cpu": (t_cpu_run(t_s), 5),
     }
@@ -227,10 +239,10 @@ def benchmark(plot_name: str, ylabel: str, names: tuple[str, ...], y_log: bool) 
         benchmark(
             "overlap_step_over_nominal",
             "step / nominal",
-            ("overlap", "sync", "hand_overlap", "nominal"),
+            (*RATIO_LINES, "nominal"),
             False,
         ),
-        benchmark("overlap_step_ms", "ms per step", ("overlap", "sync", "nominal"), True),
+        benchmark("overlap_step_ms", "ms per step", ("overlap", "sync", *GRAPHS, "nominal"), True),
         benchmark("overlap_runtime_host_us", "us (runtime - hand loop)", MODES, False),
     ]
 )
@@ -298,7 +310,7 @@ def main() -> None:
     t_dev: dict[str, dict[str, float]] = {}
     t_cpu: dict[str, dict[str, float]] = {}
     for bs in BATCHES:
-        for line in ("overlap", "sync", "hand_overlap"):
+        for line in RATIO_LINES:
             ratios[f"{line}_batch{bs}"] = per_t(over_nominal, bs, line)
         for mode in MODES:
             host_us[f"{mode}_batch{bs}"] = per_t(runtime_host_us, bs, mode)
@@ -321,7 +333,7 @@ def main() -> None:
     print(f"overlap ({STREAM} stream, trace off, {STEPS} steps x {REPEATS} interleaved repeats, medians):")
     for bs in BATCHES:
         print(f"  batch {bs}: T_dev ms {t_dev[f'batch{bs}']}, T_cpu ms {t_cpu[f'batch{bs}']}")
-        for line in ("overlap", "sync", "hand_overlap"):
+        for line in RATIO_LINES:
             print(f"    {line:12s} step / nominal max(T_cpu, T_dev), per T ms: {ratios[f'{line}_batch{bs}']}")
         for mode in MODES:
             print(f"    runtime {mode:7s} host CPU us per step - hand loop's: {host_us[f'{mode}_batch{bs}']}")

@@ -49,6 +49,12 @@ for _t, _limit in ((1, 1.5), (4, 1.15), (10, 1.08)):
         _path = f"overlap.step_over_nominal.overlap_batch{_bs}.{_t}"
         _what = f"overlap step / nominal max(T_cpu, T_dev), {_t} ms, batch {_bs}"
         TARGETS.append((_what, "<=", _limit, _path))
+# With step graphs (CUDA only: the line is measured on a GPU).
+for _t, _limit in ((1, 1.1), (4, 1.05)):
+    for _bs in (16, 64):
+        _path = f"overlap.step_over_nominal.graphs_batch{_bs}.{_t}"
+        _what = f"overlap with step graphs / nominal, {_t} ms, batch {_bs}"
+        TARGETS.append((_what, "<=", _limit, _path))
 TARGETS.append(("overlap device idle %, T_dev 4 ms, T_cpu 2 ms", "<", 3.0, "overlap.idle_pct_t_dev4_t_cpu2"))
 
 
@@ -83,7 +89,7 @@ def judge(folder: str, summary: dict[str, Any], on_gpu: bool, target: tuple[str,
     finite = [v for v in got if np.isfinite(v)]
     row: dict[str, Any] = {"what": what, "limit": f"{op} {limit:g}", "measured": None, "source": where}
     if not finite:
-        needs_gpu = not on_gpu and ("_device_time" in where or where.endswith("_auto"))
+        needs_gpu = not on_gpu and ("_device_time" in where or where.endswith("_auto") or "graphs_" in where)
         return row | {"status": "needs GPU" if needs_gpu else "no data"}
     worst = max(finite) if op in ("<=", "<") else min(finite)
     ok = {"<=": worst <= limit, "<": worst < limit, ">=": worst >= limit, ">": worst > limit}[op]

@@ -91,6 +91,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.sampling.*"},  # the device Sampler
     {"tfuture.steps", "tfuture.steps.masks", "tfuture.steps.samplers"},
     {"tfuture.steps.base"},  # the step-kind interface
+    {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token", "tfuture.steps.speculative"},
     {"tfuture.grammars.*"},
     {"tfuture.runtime"},

@@ -64,6 +64,9 @@ class OverlapRuntime:
         sampler: a :class:`tfuture.sampling.Sampler` that samples every token step (per-request
             parameters admitted with ``Batch.params``, packed bitmasks, only grammar rows wait) instead
             of the model's ``sample``; a model without ``sample`` gets ``Sampler()``.
+        graphs: run each greedy step that fits a bucket as that bucket's captured step graph (one
+            H2D copy, one replay, one D2H copy); needs ``buckets`` and a graph-safe model, see
+            :mod:`tfuture.steps.graphs` (which steps fall back to eager launches, and why).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class OverlapRuntime:
         n_staging: int = 4,
         buckets: Buckets | None = None,
         sampler: Sampler | None = None,
+        graphs: bool = False,
     ) -> None:
         if not isinstance(fmap, FutureMap):
             raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
@@ -92,11 +96,16 @@ class OverlapRuntime:
                 "faults must be a RunWrapper (bind, wrap_stream, wrap_scheduler, delay) such as "
                 f"tfuture.testing.faults.FaultPlan, or None, got {type(faults).__name__}"
             )
-        if isinstance(model, StepKind) and (buckets is not None or sampler is not None):
+        if isinstance(model, StepKind) and (buckets is not None or sampler is not None or graphs):
             raise ValueError(
-                "buckets and sampler are for token steps: pass them to a plain model, not to a step kind"
+                "buckets, graphs and sampler are for token steps: pass them to a plain model, not to a "
+                "step kind"
             )
-        self.kind: StepKind = model if isinstance(model, StepKind) else TokenStep(model, buckets, sampler)
+        if not isinstance(graphs, bool):
+            raise TypeError(f"graphs must be a bool, got {type(graphs).__name__}")
+        self.kind: StepKind = (
+            model if isinstance(model, StepKind) else TokenStep(model, buckets, sampler, graphs)
+        )
         self.kind.bind(fmap)
         if faults is not None:
             faults.bind(self.kind.stream_ops, HOST_HOOKS)
@@ -230,6 +239,7 @@ class OverlapRuntime:
         stream, fmap, kind = self._stream, self.fmap, self.kind
         assert stream is not None
         consumes = _take_consumes(batch, fmap)
+        out = None
         try:
             if getattr(batch, "out", None) is not None:
                 raise ValueError("schedule() returned a batch that was already launched")
@@ -243,9 +253,13 @@ class OverlapRuntime:
             total = sum(sizes)
             staging = self._in_ring.acquire(total, stream)
             out = fmap.alloc(plan.n_out)
+            if plan.with_out is not None:
+                plan.with_out(out)
         except BaseException:
             if hasattr(batch, "step"):
                 batch.step = -1
+            if out is not None:
+                fmap.release(out)
             fmap.release_live(consumes)
             raise
         batch.out, batch.step = out, self._step
@@ -269,10 +283,17 @@ class OverlapRuntime:
         empty, empties = self._empty, (self._empty,) * max(trailing, 0)
         # A CPU map copies with numpy (a fresh array the step owns: no torch dispatch).
         data: Any = staging.array[:total] if dev.type == "cpu" else staging.data[:total]
+        target = plan.target  # a graphed step's static inputs, or None: fresh memory
 
         def prepare() -> None:
             # A real copy on every backend: the step must not alias the reusable host buffer.
-            if type(data) is np.ndarray:
+            if target is not None:
+                dev_in = target
+                if type(data) is np.ndarray:
+                    target.numpy()[:] = data
+                else:
+                    target.copy_(data, non_blocking=True)
+            elif type(data) is np.ndarray:
                 dev_in = torch.from_numpy(data.copy())
             else:
                 dev_in = data.to(dev, non_blocking=True, copy=True)

@@ -45,6 +45,12 @@ class StepPlan(NamedTuple):
     inputs: Any
     state: Any
     delayed: bool = False  # sample only after the previous step was processed (a mask)
+    #: A device buffer the staged data is copied into (a graphed step's static inputs) instead of
+    #: fresh device memory; ``inputs`` then fill it exactly.
+    target: Any = None
+    #: Called with the step's fresh ``out`` handle before its inputs are staged (a graphed step
+    #: stages the slots to store into).
+    with_out: Callable[[FutureIndices], None] | None = None
 
 
 @dataclass(slots=True, eq=False)

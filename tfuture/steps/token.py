@@ -20,6 +20,7 @@ from tfuture.core.future_map import FutureMap
 from tfuture.kernels.resolve import PreparedInputs
 from tfuture.sampling import Sampler, SamplerPlan
 from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
+from tfuture.steps.graphs import GraphBucket, StepGraphs, capture, graph_run, plan_graphed
 from tfuture.steps.masks import check_logits, check_mask, check_rows, check_width, widen
 from tfuture.steps.samplers import SamplePath, sample_path
 
@@ -121,6 +122,7 @@ class TokenInputs(NamedTuple):
     late: Any
     now: Any
     sampler_words: Any
+    store_slots: Any = _NO_ROWS  # a graphed step's slots to store into (padded); else empty
 
 
 @dataclass(slots=True, eq=False)
@@ -148,6 +150,7 @@ class TokenState:
     sstate: Any = None
     late_dev: torch.Tensor | None = None
     now_dev: torch.Tensor | None = None
+    graph: GraphBucket | None = None  # the bucket whose graph runs this step (graphs=True)
 
     @property
     def n_sample(self) -> int:
@@ -174,13 +177,29 @@ class TokenStep(StepKind):
     :meth:`model_ops` and :meth:`sample_ops`.
     """
 
-    stream_ops = (*StepKind.stream_ops, "release", "forward", "sample_now", "sample", "store")
+    stream_ops = (*StepKind.stream_ops, "release", "forward", "sample_now", "sample", "store", "replay")
     state_type: type[TokenState] = TokenState  # a subclass may keep more per step
 
-    def __init__(self, model: Model, buckets: Buckets | None = None, sampler: Sampler | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        buckets: Buckets | None = None,
+        sampler: Sampler | None = None,
+        graphs: bool = False,
+    ) -> None:
         if buckets is not None and not isinstance(buckets, Buckets):
             raise TypeError(f"buckets must be a Buckets or None, got {type(buckets).__name__}")
+        if graphs and buckets is None:
+            raise ValueError("graphs=True captures one graph per bucket: give buckets= too")
+        if graphs and getattr(model, "graph_safe", False) is not True:
+            raise ValueError(
+                f"graphs=True needs a graph-safe model, and {type(model).__name__} does not say it is one: "
+                "set graph_safe = True on its class once its forward and sample follow the rules of "
+                "tfuture.steps.graphs (no host sync, nothing read from batch.step or batch.host)"
+            )
         self.model, self.buckets = model, buckets
+        #: Step graphs (:mod:`tfuture.steps.graphs`), or None.
+        self.graphs: StepGraphs | None = StepGraphs() if graphs else None
         self.path: SamplePath = sample_path(model, sampler)
         self.sampler = sampler if sampler is not None else getattr(self.path, "sampler", None)
         #: Whether this step kind samples on this process (a parallel rank may not).
@@ -190,6 +209,11 @@ class TokenStep(StepKind):
         self._vocab: int | None = None  # logits width, once a step sampled (for mask checks)
 
     def bind(self, fmap: FutureMap) -> None:
+        if self.graphs is not None and fmap.debug:
+            raise ValueError(
+                "graphs=True cannot check slots on the device: debug mode syncs in every call; use a "
+                "FutureMap without debug=True"
+            )
         self.fmap = fmap
 
     # -- host, at launch ---------------------------------------------------------------------
@@ -198,7 +222,14 @@ class TokenStep(StepKind):
         if not isinstance(batch, Batch):
             raise TypeError(f"schedule() must return a Batch or None, got {type(batch).__name__}")
         state, inputs = self.plan_batch(batch)
-        return StepPlan(state.sample_reqs.size, inputs, state, bool(state.late.size))
+        n_out, delayed = state.sample_reqs.size, bool(state.late.size)
+        if self.graphs is not None:
+            assert self.fmap is not None and self.buckets is not None
+            graphed = plan_graphed(self.graphs, self.fmap, self.buckets, state, inputs, delayed)
+            if graphed is not None:
+                state.graph, inputs, with_out = graphed
+                return StepPlan(n_out, inputs, state, False, state.graph.static_in, with_out)
+        return StepPlan(n_out, inputs, state, delayed)
 
     def plan_batch(self, batch: Batch) -> tuple[TokenState, TokenInputs]:
         """The host side of ``batch``: its record and its staged arrays."""
@@ -266,6 +297,8 @@ class TokenStep(StepKind):
     def prepare(self, rec: InFlight, inputs: TokenInputs) -> None:
         fmap, state = self.fmap, rec.state
         assert fmap is not None
+        if state.graph is not None:
+            return  # the runtime copied the inputs into the bucket's static buffer: the graph reads it
         host = state.host
         if self.buckets is None and host.max_seg_len <= 1:
             # A decode step (one token a request, unpadded): the inputs are the staged arrays
@@ -327,6 +360,9 @@ class TokenStep(StepKind):
             if release is not None:
                 ended = state.ended
                 ops.append(("release", lambda: release(ended)))
+        if state.graph is not None:
+            ops.append(("replay", lambda: self._replay(rec)))
+            return ops
         ops += self.model_ops(rec)
         if self.samples and state.split:
             # Only the waiting rows wait: the others sample now, while the host builds the mask.
@@ -346,6 +382,8 @@ class TokenStep(StepKind):
         return [("forward", forward)]
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
+        if rec.state.graph is not None:
+            return []  # the replay sampled and stored
         if mask is not None:
             self.take_mask(rec, mask)
         fmap, state = self.fmap, rec.state
@@ -421,6 +459,22 @@ class TokenStep(StepKind):
             state.sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
         state.sampled.index_copy_(0, rows, tokens)
 
+    def _replay(self, rec: InFlight) -> None:
+        """FORWARD STREAM: a graphed step. A bucket's first step runs eagerly on the static
+        buffers (its results are the step's), then is captured; later steps replay it."""
+        state, fmap, graphs = rec.state, self.fmap, self.graphs
+        assert fmap is not None and graphs is not None and state.graph is not None
+        bucket = state.graph
+        if bucket.replay is None:
+            run = graph_run(bucket, fmap, self.model, self.path, rec.step, state.host)
+            sampled = run()
+            capture(bucket, fmap.device, run)
+            graphs.captures += 1
+        else:
+            sampled = bucket.replay()
+            bucket.replays += 1
+        state.sampled = sampled[: state.sample_reqs.size]
+
     # -- host, after copy_done ---------------------------------------------------------------
 
     def n_result(self, rec: InFlight) -> int:
@@ -437,6 +491,8 @@ class TokenStep(StepKind):
         return int(result.tokens.size)
 
     def close(self) -> None:
+        if self.graphs is not None and self.fmap is not None:
+            self.graphs.close(self.fmap)  # the scratch slot (the stream was drained)
         self.path.close(self)
         close = getattr(self.model, "close", None)
         if close is not None:

@@ -54,6 +54,9 @@ class ToyModel:
     fail_at: int | None = None
     fail_sample_at: int | None = None
     calls: int = field(default=0, init=False)
+    #: Graph-safe (tfuture.steps.graphs): its ops read only the batch's tensors (``fail_at``
+    #: reads ``batch.step``: a planted failure fires at capture, not at a replay).
+    graph_safe = True
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self.calls += 1

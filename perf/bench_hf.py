@@ -1,0 +1,195 @@
+"""A Hugging Face Llama through the runtime: tokens/s in sync, overlapped, and via ``tfuture.generate``.
+
+    python -m perf bench_hf        # CI=1: fewer repeats
+
+A random-weight ``LlamaForCausalLM`` built from a config in code (nothing is downloaded) wrapped
+in :class:`tfuture.models.HFCausalLM`. On a GPU: about 0.5B parameters in bf16 (hidden 1280, 24
+layers, 20 query and 4 KV heads of 64, MLP 3456, vocab 32000); on CPU a tiny float32 one (hidden
+64, 2 layers), which only checks the path (its numbers say nothing about a GPU). ``BATCH``
+requests with ``PROMPT``-token prompts each generate ``NEW`` tokens greedily, no end token.
+
+Lines (tokens generated per second of wall time, median of ``REPEATS`` interleaved runs after a
+warm-up): ``sync`` and ``overlap`` (``OverlapRuntime`` driven by a ``ContinuousBatcher``, trace
+off) and ``generate`` (``tfuture.generate``, the front door: engine, sampler, scheduler, and a
+run with tracing on by default). All three must give the same tokens. Needs the ``hf`` extra;
+without ``transformers`` the benchmark says so and writes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+
+from perf import harness
+from perf.harness import DEVICE, HAS_CUDA
+from tfuture import FutureMap
+from tfuture.runtime import OverlapRuntime
+from tfuture.scheduler import ContinuousBatcher, GenerationParams, RequestSpec
+
+BATCH = 16 if HAS_CUDA else 4
+PROMPT, NEW = (32, 64) if HAS_CUDA else (8, 8)
+REPEATS = harness.sweep([5], [3])[0]
+LINES = ["sync", "overlap", "generate"]
+STYLES = [("red", "--"), ("blue", "-"), ("green", "-.")]
+# hidden, layers, query heads, KV heads, MLP, vocab, dtype
+SHAPE = (1280, 24, 20, 4, 3456, 32000, torch.bfloat16) if HAS_CUDA else (64, 2, 4, 2, 128, 256, torch.float32)
+
+
+def build_model() -> Any:
+    """The Llama of ``SHAPE`` on ``DEVICE``, wrapped in ``HFCausalLM``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tfuture.models import HFCausalLM
+
+    hidden, layers, heads, kv_heads, mlp, vocab, dtype = SHAPE
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4 * (PROMPT + NEW),
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    hf = (
+        AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        .to(device=DEVICE, dtype=dtype)
+        .eval()
+    )
+    return HFCausalLM(hf, max_requests=BATCH, max_len=PROMPT + NEW), hf
+
+
+def prompts() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, SHAPE[5], PROMPT, dtype=np.int64) for _ in range(BATCH)]
+
+
+def runtime_run(model: Any, overlap: bool) -> tuple[float, list[list[int]]]:
+    """(tokens/s, tokens per request) of one run of every request through ``OverlapRuntime``."""
+    specs = [RequestSpec(i, arrival=0, prompt=p, max_new=NEW) for i, p in enumerate(prompts())]
+    fmap = FutureMap(4 * BATCH, device=DEVICE)
+    sched = ContinuousBatcher(
+        specs, fmap, eos=-1, max_running=BATCH, chunk=PROMPT, token_budget=BATCH * PROMPT
+    )
+    sync_device()
+    t0 = time.perf_counter()
+    OverlapRuntime(model, fmap, overlap=overlap, trace=False).run(sched)
+    wall = time.perf_counter() - t0
+    return BATCH * NEW / wall, [sched.outputs[i] for i in range(BATCH)]
+
+
+def generate_run(hf: Any) -> tuple[float, list[list[int]]]:
+    """(tokens/s, tokens per request) of ``tfuture.generate`` on the transformers model itself."""
+    import tfuture
+
+    params = GenerationParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    sync_device()
+    t0 = time.perf_counter()
+    out = tfuture.generate(hf, [p.tolist() for p in prompts()], params, progress=False)
+    wall = time.perf_counter() - t0
+    return BATCH * NEW / wall, [list(o.token_ids) for o in out]
+
+
+def sync_device() -> None:
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+# Why the benchmark did not run, if it did not.
+CANNOT_RUN: list[str] = []
+
+
+@functools.cache
+def measure() -> dict[str, np.ndarray]:
+    """``{line: [REPEATS]}`` tokens/s, interleaved; empty when transformers is missing."""
+    try:
+        model, hf = build_model()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "transformers":
+            raise
+        CANNOT_RUN.append("transformers is not installed (the hf extra)")
+        return {}
+    tokens: dict[str, list[list[int]]] = {}
+
+    def timed(line: str) -> Any:
+        def once() -> float:
+            rate, toks = generate_run(hf) if line == "generate" else runtime_run(model, line == "overlap")
+            if tokens.setdefault(line, toks) != toks:
+                raise AssertionError(f"bench_hf: the {line} runs gave different tokens")
+            return rate
+
+        return once
+
+    with torch.inference_mode():
+        runs = {line: timed(line) for line in LINES}
+        for once in runs.values():
+            once()  # warm-up: first-call costs (kernels, allocator) out of the timing
+        got = harness.interleaved(runs, REPEATS)
+    if not (tokens["sync"] == tokens["overlap"] == tokens["generate"]):
+        raise AssertionError("bench_hf: sync, overlap and generate gave different tokens")
+    return got
+
+
+@triton.testing.perf_report(
+    triton.testing.Benchmark(
+        x_names=["batch"],
+        x_vals=[BATCH],
+        x_log=False,
+        y_log=False,
+        line_arg="line",
+        line_vals=LINES,
+        line_names=LINES,
+        styles=STYLES,
+        xlabel=f"requests ({DEVICE}; prompt {PROMPT}, {NEW} new tokens each, greedy)",
+        ylabel="tokens/s",
+        plot_name="hf_tokens_per_s",
+        args={},
+    )
+)
+def hf_tokens(batch: int, line: str) -> harness.Timing:
+    """Generated tokens per second of wall time: median, p20-p80 over repeats."""
+    samples = measure().get(line)
+    return harness.NAN3 if samples is None else harness.band(samples)
+
+
+LOOK = harness.Look(
+    what="a Hugging Face Llama through HFCausalLM: tokens per second",
+    ylabel="generated tokens per second",
+    xlabel=f"requests ({DEVICE}; prompt {PROMPT}, {NEW} new tokens each, greedy)",
+)
+
+
+def main() -> None:
+    if not measure():
+        harness.skip("bench_hf (all lines)", CANNOT_RUN[0])
+        print(f"bench_hf: skipped: {CANNOT_RUN[0]}")
+        return
+    harness.save(hf_tokens, lambda _: LOOK)
+    rates = {line: round(float(np.median(v)), 1) for line, v in measure().items()}
+    hidden, layers, heads, kv_heads, mlp, vocab, dtype = SHAPE
+    harness.record(
+        "hf",
+        {
+            "model": f"Llama hidden {hidden}, {layers} layers, {heads}/{kv_heads} heads, MLP {mlp}, "
+            f"vocab {vocab}, {str(dtype).removeprefix('torch.')}",
+            "batch": BATCH,
+            "prompt": PROMPT,
+            "new_tokens": NEW,
+            "tokens_per_s": rates,
+            "overlap_over_sync": round(rates["overlap"] / rates["sync"], 3),
+        },
+    )
+    print(f"bench_hf tokens/s (median of {REPEATS}): {rates}")
+
+
+if __name__ == "__main__":
+    main()
