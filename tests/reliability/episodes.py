@@ -18,6 +18,7 @@ from tfuture.core.future_map import FutureMap
 from tfuture.grammars import mask_requests
 from tfuture.sampling import Sampler, SamplingParams
 from tfuture.scheduler import ContinuousBatcher, RequestSpec
+from tfuture.steps.token import Buckets
 from tfuture.testing.faults import HOST_POINTS, SPEC_POINTS, TOKEN_POINTS
 from tfuture.testing.toy import ToyGrammar, ToyModel
 from tfuture.testing.workload import random_workload
@@ -108,6 +109,10 @@ class AbortingBatcher(ContinuousBatcher):
         return mask
 
 
+# The shapes of the graph episodes' steps (a chunk is at most 16 tokens, a batch at most 64).
+GRAPH_BUCKETS = Buckets(rows=(4, 8, 16, 32, 64), reqs=(2, 4, 8, 16))
+
+
 class SoftToy(ToyModel):
     """The toy model with logits in [0, 8), so temperature and penalties change tokens."""
 
@@ -146,9 +151,14 @@ class Episode:
     debug: bool
     spec: bool = False  # a speculative episode (SpecStep, SpecBatcher): no grammar, no aborts
     sampled: bool = False  # per-request SamplingParams through tfuture's Sampler (SoftToy model)
+    graphs: bool = False  # padded to GRAPH_BUCKETS, greedy steps as step graphs (tfuture.steps.graphs)
 
     def model(self) -> ToyModel:
         return SoftToy(vocab=self.vocab) if self.sampled else ToyModel(vocab=self.vocab)
+
+    def runtime_kw(self) -> dict[str, Any]:
+        """The runtime's options of the episode's overlapped run (its sync rerun takes none)."""
+        return {"buckets": GRAPH_BUCKETS, "graphs": True} if self.graphs else {}
 
     def sampler(self) -> Sampler | None:
         """A fresh sampler for a sampled episode: a history row for every running request."""
@@ -216,7 +226,11 @@ def make_episode(seed: int, index: int) -> Episode:
         specs = [dataclasses.replace(s, params=draw_params(rng)) for s in specs]
         if grammar is not None and rng.random() < 0.5:
             batcher_kw["delay"] = "rows"
-    return Episode(index, seed, specs, vocab, grammar, aborts, batcher_kw, plan_kw, debug, spec, sampled)
+    # Drawn after everything above, so every earlier episode stays as it was.
+    graphs = not spec and not debug and bool(rng.random() < 0.25)
+    return Episode(
+        index, seed, specs, vocab, grammar, aborts, batcher_kw, plan_kw, debug, spec, sampled, graphs
+    )
 
 
 def compare(ep: Episode, sync: dict[int, list[int]], over: dict[int, list[int]]) -> str | None:

@@ -8,7 +8,9 @@ requests arrive over time, prompts are prefilled in chunks, some requests follow
 (delayed sampling), requests finish on the end token or their length limit, and some are
 aborted (see :class:`AbortingBatcher`); about one episode in five without grammars is a
 speculative one (``SpecStep`` with a seeded fallible draft), whose committed tokens must equal
-plain greedy decoding. Episodes run on one long-lived :class:`FutureMap`
+plain greedy decoding; about one in four of the others runs with step graphs (``buckets=``,
+``graphs=True``: its greedy steps as the buckets' step graphs, emulated on CPU) and must still
+equal its sync rerun without them. Episodes run on one long-lived :class:`FutureMap`
 (some on a fresh debug-mode map), each with its own seeded :class:`FaultPlan`: stream and host
 delays, a ``gc.collect()`` after every step, and now and then an exception at a planned point.
 
@@ -82,6 +84,7 @@ class SoakReport:
     debug_episodes: int = 0
     spec_episodes: int = 0
     sampled_episodes: int = 0  # per-request SamplingParams through tfuture's Sampler
+    graph_episodes: int = 0  # step graphs (buckets, graphs=True; emulated on CPU)
     equivalence_checked: int = 0
     sync_steps: int = 0
     faults: Counter[str] = field(default_factory=Counter)
@@ -119,6 +122,7 @@ class SoakReport:
             f"steps:               {self.steps} overlapped ({self.sync_steps} more in sync reruns)",
             f"episodes:            {self.episodes} ({self.debug_episodes} on a debug map, "
             f"{self.spec_episodes} speculative, {self.sampled_episodes} with per-request sampling, "
+            f"{self.graph_episodes} with step graphs, "
             f"{self.equivalence_checked} checked against sync, {self.raised_episodes} stopped by a fault)",
             f"requests:            {self.requests} ({self.aborted} aborted)",
             f"tokens:              {self.tokens} delivered, {self.extra_tokens} discarded (extra steps)",
@@ -197,7 +201,10 @@ def run_episode(ep: Episode, fmap: FutureMap, max_steps: int, check: bool, repor
     if ep.spec:
         return run_spec_episode(ep, fmap, max_steps, check, report, plan, where)
     sched = AbortingBatcher(ep.specs, fmap, dict(ep.aborts), grammar=ep.grammar, **ep.batcher_kw)
-    runtime = OverlapRuntime(ep.model(), fmap, overlap=True, faults=plan, trace=False, sampler=ep.sampler())
+    runtime = OverlapRuntime(
+        ep.model(), fmap, overlap=True, faults=plan, trace=False, sampler=ep.sampler(), **ep.runtime_kw()
+    )
+    report.graph_episodes += ep.graphs
     raised, _ = run_checked(ep, runtime, sched, fmap, plan, max_steps, report, where)
     steps = sched.batches
     if plan.gc_every_step:

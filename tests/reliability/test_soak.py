@@ -46,6 +46,7 @@ def check_summary(proc: subprocess.CompletedProcess[str], s: dict, steps: int) -
     assert s["faults"].get("stream_delay", 0) > 0 and s["faults"].get("host_delay", 0) > 0
     assert s["raised_episodes"] > 0
     assert s["spec_episodes"] > 0, "no speculative episode ran"
+    assert s["graph_episodes"] > 0, "no episode ran with step graphs"
     for key in ("steps:", "requests:", "tokens:", "faults injected:", "slots in use at end: 0", "peak RSS:"):
         assert key in proc.stdout
 
