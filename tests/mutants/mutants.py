@@ -575,4 +575,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/runtime/test_runtime.py",),
         "a step's staged inputs lose an empty part at their end",
     ),
+    Mutant(
+        "graphs-padding-into-slot-0",
+        "tfuture/steps/graphs.py",
+        "    dst[n:] = scratch\n",
+        "    dst[n:] = 0\n",
+        ("tests/runtime/test_step_graphs.py",),
+        "a graphed step's padding rows store into slot 0 instead of the scratch slot",
+    ),
+    Mutant(
+        "runtime-slots-never-staged",
+        "tfuture/runtime.py",
+        "            if plan.with_out is not None:\n                plan.with_out(out)\n",
+        "",
+        ("tests/runtime/test_step_graphs.py",),
+        "a graphed step stages no slots: its tokens are stored nowhere (or into slot 0)",
+    ),
 )
