@@ -118,7 +118,7 @@ class OverlapRuntime:
         self._step = 0
         self._inflight: list[InFlight] = []
         self._deferred: list[FutureIndices] = []
-        self._host_spans: list[Span] = []
+        self._host_spans: list[tuple[str, int, float, float]] = []  # raw: Spans at the run's end
         self._open = False  # a cut run's per-request state is kept for the next run
         self._empty = torch.empty(0, dtype=torch.int64, device=fmap.device)
 
@@ -173,7 +173,7 @@ class OverlapRuntime:
             stats.wall = time.perf_counter() - t0
             if stream is not None:
                 stats.device_spans = stream.take_spans()
-            stats.host_spans = self._host_spans
+            stats.host_spans = list(map(Span._make, self._host_spans))
             stats.account()
             self.fmap.device_exec = None
             self._stream = None
@@ -231,7 +231,7 @@ class OverlapRuntime:
         try:
             return fn()
         finally:
-            self._host_spans.append(Span(name, step, start, time.perf_counter()))
+            self._host_spans.append((name, step, start, time.perf_counter()))
 
     def _launch(self, batch: Any) -> InFlight:
         """Enqueue prepare and the forward ops (and the sample unless delayed); no host sync."""
@@ -320,7 +320,7 @@ class OverlapRuntime:
         if self._deferred:
             fmap.release_live(self._deferred)
         if self.trace:
-            self._host_spans.append(Span("launch", rec.step, start, time.perf_counter()))
+            self._host_spans.append(("launch", rec.step, start, time.perf_counter()))
         return rec
 
     def _launch_sample(self, rec: InFlight, mask: object) -> None:

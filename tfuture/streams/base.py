@@ -10,7 +10,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -19,9 +19,10 @@ class StreamAbandoned(RuntimeError):
     """The stream was abandoned (:meth:`ForwardStream.abandon`): later ops were skipped."""
 
 
-@dataclass(slots=True)
-class Span:
-    """One op on the forward stream: name, step, start and end in seconds (perf_counter)."""
+class Span(NamedTuple):
+    """One op on the forward stream (or a host phase): name, step, start and end in seconds
+    (perf_counter). A tuple: the hot path records plain ``(name, step, start, end)`` tuples and
+    ``Span._make`` names them once the run is over."""
 
     name: str
     step: int
@@ -65,7 +66,9 @@ class ForwardStream(ABC):
     def __init__(self, delay: Delay | None = None, trace: bool = True) -> None:
         self.delay = delay
         self.trace = trace
-        self.spans: list[Span] = []
+        # Raw (name, step, start, end) tuples: a tuple costs a fraction of a Span on the hot path;
+        # take_spans() makes the Spans.
+        self.spans: list[tuple[str, int, float, float]] = []
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -112,7 +115,7 @@ class ForwardStream(ABC):
     def _run_ops(self, step: int, ops: Sequence[tuple[str, Callable[[], object]]]) -> None:
         """Run ``ops`` in order on the calling thread, as :meth:`_run_op` one by one. With no
         delay hook and no trace that is one loop in one ``try`` (the host path of every step)."""
-        if self.delay is not None or self.trace:
+        if self.delay is not None:
             for name, fn in ops:
                 self._run_op(name, step, fn)
             return
@@ -120,8 +123,15 @@ class ForwardStream(ABC):
             return
         name = ""
         try:
-            for name, fn in ops:  # noqa: B007 - the failing op's name is read below
-                fn()
+            if self.trace:  # a span per op, as raw tuples
+                spans, clock = self.spans, time.perf_counter
+                for name, fn in ops:
+                    start = clock()
+                    fn()
+                    spans.append((name, step, start, clock()))
+            else:
+                for name, fn in ops:  # noqa: B007 - the failing op's name is read below
+                    fn()
         except BaseException as exc:
             self._fail(exc, name, step)
 
@@ -139,7 +149,7 @@ class ForwardStream(ABC):
                 return
             start = time.perf_counter()
             fn()
-            self.spans.append(Span(name, step, start, time.perf_counter()))
+            self.spans.append((name, step, start, time.perf_counter()))
         except BaseException as exc:
             self._fail(exc, name, step)
 
@@ -156,4 +166,4 @@ class ForwardStream(ABC):
 
     def take_spans(self) -> list[Span]:
         spans, self.spans = self.spans, []
-        return spans
+        return list(map(Span._make, spans))
