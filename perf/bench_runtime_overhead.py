@@ -19,6 +19,8 @@ step was launched):
   hands the runtime and the ``StepResult`` that ``process`` gets (``HandLoop(batches=True)``):
   the floor of any runtime whose steps come as checked batches. ``floor / hand`` is what
   checking a batch costs; ``runtime / floor`` is the runtime's own loop.
+* ``traced_overlap_<backend>``: the judged runtime line overlapped with ``trace=True`` (the
+  runtime's default): ``summary.json`` ``trace_cost`` is its ratio to the untraced line.
 * ``minimal_<mode>``: :class:`perf.decode.MinimalLoop`, a minimal decode loop in plain torch, no
   ``FutureMap``: a token buffer indexed by request row; per step one H2D copy of the step's
   index data (rows, positions, lengths), gather of the last tokens, forward, sample, scatter
@@ -56,8 +58,12 @@ BACKENDS = (["auto"] if HAS_CUDA else []) + ["worker", "inline"]
 JUDGED = "auto" if HAS_CUDA else "inline"  # the backend the contract reads: the host path a GPU sees
 MODES = ("sync", "overlap")
 LINES = [f"runtime_{m}_{b}" for b in BACKENDS for m in MODES]
+# The judged backend overlapped with tracing on (trace=True, the runtime's default): its cost.
+TRACED = f"traced_overlap_{JUDGED}"
+LINES += [TRACED]
 LINES += [f"{kind}_{m}" for kind in ("hand", "floor", "minimal") for m in MODES]
 COLORS = {
+    "traced": "orange",
     "auto": "green",
     "worker": "blue",
     "inline": "red",
@@ -76,10 +82,10 @@ STYLES = [
 METRICS = {"thread_cpu": 0, "cpu": 1, "wall": 2}  # column of measure()'s arrays
 
 
-def make_runtime(n: int, overlap: bool, backend: str) -> Callable[[int], object]:
-    """``run(steps)`` of an OverlapRuntime with tracing off."""
+def make_runtime(n: int, overlap: bool, backend: str, trace: bool = False) -> Callable[[int], object]:
+    """``run(steps)`` of an OverlapRuntime, tracing off unless ``trace``."""
     rt = OverlapRuntime(
-        ZeroModel(n), FutureMap(4 * n + 64, device=DEVICE), overlap=overlap, stream=backend, trace=False
+        ZeroModel(n), FutureMap(4 * n + 64, device=DEVICE), overlap=overlap, stream=backend, trace=trace
     )
 
     def run(steps: int) -> None:
@@ -92,8 +98,8 @@ def make_runtime(n: int, overlap: bool, backend: str) -> Callable[[int], object]
 def make_run(line: str, n: int) -> Callable[[int], object]:
     kind, mode, *backend = line.split("_")
     overlap = mode == "overlap"
-    if kind == "runtime":
-        return make_runtime(n, overlap, backend[0])
+    if kind in ("runtime", "traced"):
+        return make_runtime(n, overlap, backend[0], trace=kind == "traced")
     if kind in ("hand", "floor"):
         stream = "cuda" if HAS_CUDA else "inline"
         return HandLoop(ZeroModel(n, DEVICE), n, overlap, stream, DEVICE, batches=kind == "floor").run
@@ -237,6 +243,8 @@ def main() -> None:
             "thread_cpu_over_hand": over_hand,
             "thread_cpu_over_minimal": over_minimal,
             "thread_cpu_over_floor": over_floor,
+            # trace=True over trace=False, the judged backend overlapped: what tracing costs.
+            "trace_cost": {str(n): ratio(n, TRACED, f"runtime_overlap_{JUDGED}") for n in sizes},
             "cpu_over_hand": cpu_over_hand,
         },
     )
@@ -247,6 +255,10 @@ def main() -> None:
     for name, table in (("/ hand", over_hand), ("/ floor", over_floor), ("/ minimal", over_minimal)):
         for line, got in table.items():
             print(f"  {line:24s} {name:10s} {got}")
+    print(
+        f"tracing on / off, {JUDGED} stream overlapped:",
+        {str(n): ratio(n, TRACED, f"runtime_overlap_{JUDGED}") for n in sizes},
+    )
     print("process CPU per step / hand loop of the same mode (information):")
     for line, got in cpu_over_hand.items():
         print(f"  {line:24s} {got}")

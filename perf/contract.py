@@ -44,6 +44,14 @@ for _backend in ("inline", "auto"):
         for _base, _limit in (("hand", 1.2), ("minimal", 3.0)):
             _what = f"host CPU per step, batch 16 and 64: {_line} / {_base}_{_mode}"
             TARGETS.append((_what, "<=", _limit, f"runtime_overhead.thread_cpu_over_{_base}.{_line}"))
+TARGETS.append(
+    (
+        "host CPU per step, tracing on / off, batch 16 and 64 (overlap; inline, auto on a GPU)",
+        "<=",
+        1.05,
+        "runtime_overhead.trace_cost",
+    )
+)
 for _t, _limit in ((1, 1.5), (4, 1.15), (10, 1.08)):
     for _bs in (16, 64):
         _path = f"overlap.step_over_nominal.overlap_batch{_bs}.{_t}"
