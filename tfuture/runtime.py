@@ -27,8 +27,8 @@ from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.sampling import Sampler
 from tfuture.steps.base import InFlight, Op, StepKind
 from tfuture.steps.token import Buckets, TokenStep
-from tfuture.streams.backends import BACKENDS, Delay, ForwardStream, Span, drain_and_close, make_stream
-from tfuture.streams.base import RunWrapper
+from tfuture.streams.backends import BACKENDS, Delay, ForwardStream, drain_and_close, make_stream
+from tfuture.streams.base import RunWrapper, span_of
 from tfuture.streams.staging import StagingRing
 from tfuture.streams.stats import RunStats
 
@@ -173,7 +173,7 @@ class OverlapRuntime:
             stats.wall = time.perf_counter() - t0
             if stream is not None:
                 stats.device_spans = stream.take_spans()
-            stats.host_spans = list(map(Span._make, self._host_spans))
+            stats.host_spans = list(map(span_of, self._host_spans))
             stats.account()
             self.fmap.device_exec = None
             self._stream = None

@@ -5,6 +5,7 @@ The backends (CPU worker, inline, CUDA) are in :mod:`tfuture.streams.backends`.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -39,6 +40,9 @@ class Marker:
     cuda_event: torch.cuda.Event | None = None
     done: bool = False  # born complete (the inline stream's): waiting on it is a no-op
 
+
+#: ``(name, step, start, end)`` as a :class:`Span`, with no Python-level call (``Span._make`` has one).
+span_of: Callable[[tuple[str, int, float, float]], Span] = functools.partial(tuple.__new__, Span)
 
 Delay = Callable[[str], float]
 
@@ -166,4 +170,4 @@ class ForwardStream(ABC):
 
     def take_spans(self) -> list[Span]:
         spans, self.spans = self.spans, []
-        return list(map(Span._make, spans))
+        return list(map(span_of, spans))
