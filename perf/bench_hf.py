@@ -41,30 +41,21 @@ SHAPE = (1280, 24, 20, 4, 3456, 32000, torch.bfloat16) if HAS_CUDA else (64, 2, 
 
 
 def build_model() -> Any:
-    """The Llama of ``SHAPE`` on ``DEVICE``, wrapped in ``HFCausalLM``."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
+    """The Llama of ``SHAPE`` on ``DEVICE`` (``tfuture.examples.hf.build_llama``), wrapped in
+    ``HFCausalLM``."""
+    from tfuture.examples.hf import build_llama
     from tfuture.models import HFCausalLM
 
     hidden, layers, heads, kv_heads, mlp, vocab, dtype = SHAPE
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=4 * (PROMPT + NEW),
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    hf = (
-        AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-        .to(device=DEVICE, dtype=dtype)
-        .eval()
-    )
+    hf = build_llama(
+        vocab=vocab,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        mlp=mlp,
+        max_len=4 * (PROMPT + NEW),
+    ).to(device=DEVICE, dtype=dtype)
     return HFCausalLM(hf, max_requests=BATCH, max_len=PROMPT + NEW), hf
 
 

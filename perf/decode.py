@@ -244,7 +244,7 @@ class HandLoop:
                 a[3 * n + 1 : 4 * n + 1] = self.req_ids
                 np.add(positions, 1, out=a[4 * n + 1 : 5 * n + 1])
                 a[5 * n + 1 :] = self.req_ids
-                ops = self._ops(step, self.staging_in[k], out, self.staging_out[k], timings)
+                ops = self._ops(step, k, out, timings)
                 if worker is not None:
                     marker: Any = worker.submit(ops)
                 elif cuda is not None:
@@ -274,17 +274,12 @@ class HandLoop:
         self.model_s += [start.elapsed_time(end) / 1e3 for start, end in timings]
 
     def _ops(
-        self,
-        step: int,
-        host_in: torch.Tensor,
-        out: Any,
-        host_out: torch.Tensor,
-        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]],
+        self, step: int, k: int, out: Any, timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]
     ) -> Callable[[], None]:
-        """The step's work on the stream, one closure."""
+        """The step's work on the stream, one closure, staged in buffer ``k`` of each ring."""
         fmap, model, n, dev, split = self.fmap, self.model, self.n, self.device, self.split
+        host_in, host_out, host_array = self.staging_in[k], self.staging_out[k], self.in_arrays[k]
         on_cpu = fmap.device.type == "cpu"
-        host_array = self.in_arrays[step % self.N_STAGING]  # host_in's numpy view
 
         def ops() -> None:
             # As the runtime copies: numpy for a CPU map, else one H2D copy.

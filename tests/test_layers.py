@@ -89,7 +89,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.core.batch"},  # Batch, ForwardBatch, StepResult, the Model/Scheduler protocols
     {"tfuture.streams.*"},  # stream backends, staging rings, RunStats
     {"tfuture.sampling.*"},  # the device Sampler
-    {"tfuture.steps", "tfuture.steps.masks", "tfuture.steps.samplers"},
+    {"tfuture.steps", "tfuture.steps.masks", "tfuture.steps.samplers", "tfuture.steps.checks"},
     {"tfuture.steps.base"},  # the step-kind interface
     {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token", "tfuture.steps.speculative"},

@@ -39,7 +39,8 @@ from tfuture.distributed.micro import MicroBatch, MicroResult
 from tfuture.distributed.stage import MicroState, StageModel
 from tfuture.sampling import Sampler
 from tfuture.steps.base import InFlight, Op, StepPlan
-from tfuture.steps.token import Buckets, TokenInputs, TokenStep, check_sampled
+from tfuture.steps.checks import check_sampled
+from tfuture.steps.token import Buckets, TokenInputs, TokenStep
 
 __all__ = ["ParallelStep", "StageModel"]
 

@@ -48,9 +48,19 @@ def _hf_causal_lm() -> type[HFCausalLM]:
 
 
 def build_llama(
-    *, vocab: int = 256, hidden: int = 128, layers: int = 2, seed: int = 0, attn: str = "sdpa"
+    *,
+    vocab: int = 256,
+    hidden: int = 128,
+    layers: int = 2,
+    seed: int = 0,
+    attn: str = "sdpa",
+    heads: int = 4,
+    kv_heads: int = 2,
+    mlp: int | None = None,
+    max_len: int = 512,
 ) -> Any:
-    """A random-weight Llama with GQA (4 query heads, 2 KV heads), ``attn`` attention."""
+    """A random-weight Llama with GQA (``heads`` query heads, ``kv_heads`` KV heads; MLP width
+    ``mlp``, default ``2 * hidden``), ``attn`` attention, float32 on the CPU."""
     try:
         from transformers import AutoModelForCausalLM, LlamaConfig
     except ModuleNotFoundError as exc:
@@ -61,11 +71,11 @@ def build_llama(
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=2 * hidden if mlp is None else mlp,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_len,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,

@@ -87,7 +87,7 @@ class StepGraphs:
     captures: int = 0
     eager_steps: int = 0  # token steps that ran eagerly (did not fit, waited, or had parameters)
 
-    def bucket(self, rows: int, reqs: int, fmap: FutureMap, ids_dtype: torch.dtype) -> GraphBucket:
+    def bucket(self, rows: int, reqs: int, fmap: FutureMap) -> GraphBucket:
         """The bucket ``(rows, reqs)``, its static buffers made on first use."""
         key = (rows, reqs)
         got = self.buckets.get(key)
@@ -97,7 +97,7 @@ class StepGraphs:
             static_in = torch.zeros(sum(sizes), dtype=torch.int64, device=dev)
             views = tuple(torch.split(static_in, sizes))
             prepared = (
-                torch.zeros(rows, dtype=ids_dtype, device=dev),
+                torch.zeros(rows, dtype=torch.int64, device=dev),  # staged tokens are int64
                 torch.zeros(rows, dtype=torch.int64, device=dev),
                 torch.zeros(reqs, dtype=torch.int64, device=dev),
             )
@@ -165,7 +165,7 @@ def plan_graphed(
     if delayed or state.splan.words.size or rows not in buckets.rows or reqs not in buckets.reqs:
         graphs.eager_steps += 1
         return None
-    bucket = graphs.bucket(rows, reqs, fmap, torch.int64)
+    bucket = graphs.bucket(rows, reqs, fmap)
     tokens = np.zeros(rows, dtype=np.int64)
     tokens[: inputs.tokens.size] = inputs.tokens
     sample_reqs = np.zeros(reqs, dtype=np.int64)  # padding rows sample request 0's last row

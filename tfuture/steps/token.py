@@ -20,12 +20,13 @@ from tfuture.core.future_map import FutureMap
 from tfuture.kernels.resolve import PreparedInputs
 from tfuture.sampling import Sampler, SamplerPlan
 from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
+from tfuture.steps.checks import check_placeholders, check_sampled
 from tfuture.steps.graphs import GraphBucket, StepGraphs, capture, graph_run, plan_graphed
 from tfuture.steps.masks import check_logits, check_mask, check_rows, check_width, widen
 from tfuture.steps.samplers import SamplePath, sample_path
 
 _NO_ROWS = np.empty(0, dtype=np.int64)
-_MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # without ndarray.min()'s Python wrapper
+_MAX = np.maximum.reduce  # without ndarray.max()'s Python wrapper
 _ARANGE = np.arange(1024, dtype=np.int64)
 _ARANGE.flags.writeable = False
 
@@ -58,49 +59,6 @@ class Buckets:
             if b >= n:
                 return b
         return n
-
-
-def check_placeholders(batch: Batch) -> None:
-    """Raise ``ValueError`` if ``batch.tokens`` holds a negative id that no handle of
-    ``batch.consumes`` names: it would resolve to an unrelated slot's token (a prompt id of -1
-    reads slot 1). Negative ids are placeholders, and only consumed handles make them."""
-    tokens, consumes = batch.tokens, batch.consumes
-    if len(consumes) == 1:
-        slots = consumes[0]._array()  # checked live by the runtime; never written here
-        # The usual decode: exactly the consumed handle's placeholders, in order.
-        if slots.size == tokens.size and not count_nonzero(tokens + slots):
-            return
-    if not tokens.size or _MIN(tokens) >= 0:
-        return
-    negs = tokens[tokens < 0]
-    neg = -negs  # int64 min stays negative: no handle names it
-    named = (
-        consumes[0].slots if len(consumes) == 1 else np.concatenate([h.slots for h in consumes] or [_NO_ROWS])
-    )
-    if neg.size == named.size and np.array_equal(neg, named):
-        return  # the usual decode: the consumed handle's placeholders, in order
-    stray = negs[~np.isin(neg, named)]
-    if stray.size:
-        raise ValueError(
-            f"Batch.tokens holds the negative id {int(stray[0])}, which no handle of batch.consumes "
-            f"names ({stray.size} such id(s)): negative ids are placeholders of consumed handles; "
-            "token ids are >= 0"
-        )
-
-
-def check_sampled(tokens: np.ndarray, state: TokenState, step: int) -> None:
-    """HOST, after the step's copy: raise ``ValueError`` naming the request and step if a row got
-    no valid token (-1): its logits had a NaN or +inf, or -inf on every allowed token, so no
-    token had a nonzero probability (or a model's own ``sample`` returned a negative id)."""
-    if not tokens.size or _MIN(tokens) >= 0:
-        return
-    bad = np.flatnonzero(tokens < 0)
-    rid = int(state.host.req_ids[state.sample_reqs[bad[0]]])
-    raise ValueError(
-        f"step {step}: the sampler found no valid token for request id {rid} ({bad.size} row(s)): its "
-        "logits were NaN or +inf, or -inf on every token the mask allows (or the model's own sample "
-        f"returned the negative id {int(tokens[bad[0]])})"
-    )
 
 
 class TokenInputs(NamedTuple):
