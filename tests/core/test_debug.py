@@ -248,9 +248,10 @@ def test_the_no_op_checker_is_given_no_work_that_costs_a_device_op():
             fmap.release(kept)
         # Host bookkeeping only: no tensor op, no device effect, no freed slots computed.
         assert count.ops == [] and ran == [] and wants == [False, False]
-        assert [c.args[1:] for c in spies["on_release"].call_args_list] == [(None, ran.append)] * 2
-        assert spies["on_alloc"].call_args.args[1] is fi
-        # The store and read hooks get the call's own objects: nothing built for them.
+        # Outside debug mode alloc and release do not call the checker at all.
+        assert not spies["on_release"].called and not spies["on_alloc"].called
+        # The store and read hooks get the call's own objects: nothing built for them (the
+        # kernel path; the numpy fast path of a CPU map calls no hook).
         fi = fmap.alloc(2)
         tokens = _tokens(2)
         fmap.store(fi, tokens)

@@ -22,10 +22,16 @@ import tfuture.kernels.cpu as cpu
 from tfuture import FutureError, FutureIndices, FutureMap, FutureMapFull
 
 
+def _numpy_path(patch: pytest.MonkeyPatch) -> None:
+    """Every CPU launch on the numpy path, ``FutureMap``'s own host fast path included."""
+    patch.setattr("tfuture.kernels._common.INTERPRET", False)
+    for mod in ("resolve", "store"):
+        patch.setattr(f"tfuture.kernels.{mod}.use_triton", lambda t: False)
+
+
 @pytest.fixture
 def numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    for mod in ("resolve", "store"):
-        monkeypatch.setattr(f"tfuture.kernels.{mod}.use_triton", lambda t: False)
+    _numpy_path(monkeypatch)
 
 
 class NumpyPathMachine(FutureMapMachine):
@@ -34,8 +40,7 @@ class NumpyPathMachine(FutureMapMachine):
     def __init__(self) -> None:
         super().__init__()
         self._patch = pytest.MonkeyPatch()
-        for mod in ("resolve", "store"):
-            self._patch.setattr(f"tfuture.kernels.{mod}.use_triton", lambda t: False)
+        _numpy_path(self._patch)
 
     def teardown(self) -> None:
         try:
@@ -185,6 +190,32 @@ def test_store_fast_path_flags_negative_tokens_and_bad_runs():
     small = torch.zeros(4, dtype=torch.int32)
     cpu.store(small, range(1, 3), torch.tensor([2**31, 3]), err)  # past int32: 0 and flagged
     assert small.tolist() == [0, 0, 3, 0] and err.tolist() == [2, -8]
+
+
+@pytest.mark.parametrize("map_dtype", [torch.int32, torch.int64])
+def test_the_maps_host_fast_path_keeps_every_rule(numpy_path, map_dtype):
+    """``FutureMap.store`` / ``resolve`` on a CPU map take numpy on the map's own view; a
+    negative token, a token past an int32 map and a placeholder outside the map still take the
+    checked path: 0 and flagged, a ``ValueError``, never read."""
+    fmap = FutureMap(4, device="cpu", dtype=map_dtype)
+    fi = fmap.alloc(3)
+    fmap.store(fi, torch.tensor([5, -7, 6]))
+    assert fmap.token_map.tolist() == [0, 5, 0, 6, 0]
+    with pytest.raises(FutureError):
+        fmap.check()
+    fmap.store(fi, torch.tensor([5, 4, 6], dtype=torch.int32))
+    ids = fmap.resolve(torch.tensor([-2, 9, -1, -3]))
+    assert ids.tolist() == [4, 9, 5, 6]
+    bad = fmap.resolve(torch.tensor([-1, -5, -9]))  # slots 5 and 9 are past the map
+    assert bad.tolist() == [5, 0, 0]
+    with pytest.raises(FutureError):
+        fmap.check()
+    if map_dtype == torch.int32:
+        with pytest.raises(ValueError, match="must fit"):
+            fmap.store(fi, torch.tensor([1, 2**31, 3]))
+        assert fmap.token_map.tolist() == [0, 5, 4, 6, 0]  # nothing written
+    fmap.release(fi)
+    fmap.check()
 
 
 def test_placeholders_are_fresh_tensors_of_the_right_dtype():

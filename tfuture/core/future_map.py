@@ -14,6 +14,7 @@ import torch
 from tfuture.core.debug import NO_CHECKS, DeviceExec, SlotChecker, SlotStates
 from tfuture.core.errors import FutureError, FutureMapFull, raise_if_flagged
 from tfuture.core.slots import FutureIndices, SlotPool
+from tfuture.kernels import _common
 from tfuture.kernels._common import (
     ERR_LEN,
     INT32_MAX,
@@ -23,7 +24,7 @@ from tfuture.kernels._common import (
     check_vector,
     narrows,
 )
-from tfuture.kernels.cpu import pin_host_view
+from tfuture.kernels.cpu import host_view, pin_host_view, resolve_in_range_, store_run
 from tfuture.kernels.resolve import (
     PreparedInputs,
     launch_prepare,
@@ -71,10 +72,17 @@ class FutureMap(SlotPool):
         self.err: torch.Tensor = torch.zeros(ERR_LEN, dtype=torch.int64, device=self.device)
         # An int32 map narrows int64 tokens (checked on the host for CPU tokens).
         self._narrow32: bool = narrows(dtype, torch.int64)
+        # The host fast path of store and resolve: a CPU map outside debug mode, whose calls
+        # take numpy on these views directly (unless the kernels run in the interpreter).
+        self._host: np.ndarray | None = None
+        self._host_back: np.ndarray | None = None
         if self.device.type == "cpu":
             # The map owns these buffers and never resizes them: the numpy path may keep views.
             pin_host_view(self.token_map)
             pin_host_view(self.err)
+            if not debug:
+                self._host = host_view(self.token_map)
+                self._host_back = self._host[:0:-1]
         # Called around every bookkeeping call and launch; only debug mode's checks do anything.
         self._checks: SlotChecker = SlotStates(self.token_map, self.err) if debug else NO_CHECKS
         # Where debug-mode device effects of alloc/release run; a runtime points it at its
@@ -101,7 +109,8 @@ class FutureMap(SlotPool):
     def alloc(self, n: int) -> FutureIndices:
         """A handle on ``n`` fresh slots (``n`` may be 0). Raises :class:`FutureMapFull`."""
         fi = SlotPool.alloc(self, n)
-        self._checks.on_alloc(fi, self.device_exec)
+        if self.debug:
+            self._checks.on_alloc(fi, self.device_exec)
         return fi
 
     def release(self, fi: FutureIndices) -> None:
@@ -110,9 +119,11 @@ class FutureMap(SlotPool):
         # every check with its message.
         if type(fi) is not FutureIndices or fi._pool is not self or fi._released or fi._gens is not None:
             self.check_handle(fi, "release")
-        checks = self._checks
-        # Only a checker that wants them pays for the freed slots (a hot-path cost).
-        checks.on_release(fi.drop_references(want_freed=checks.wants_freed), self.device_exec)
+        if self.debug:
+            checks = self._checks
+            checks.on_release(fi.drop_references(want_freed=checks.wants_freed), self.device_exec)
+        else:
+            fi.drop_references()  # no checker: the freed slots are not computed (a hot-path cost)
 
     def store(self, fi: FutureIndices, tokens: torch.Tensor) -> None:
         """Enqueue ``slot <- token`` per row of ``fi`` on the current stream.
@@ -137,7 +148,7 @@ class FutureMap(SlotPool):
         if n == 0:
             return
         # tokens were checked above; the map and the handle's slots are the map's own.
-        self.launch_store(fi, tokens)
+        self._store(fi, tokens, n)
 
     def launch_store(self, fi: FutureIndices, tokens: torch.Tensor) -> None:
         """:meth:`store` without the checks its caller made: for the runtime, whose ``fi`` is a
@@ -149,8 +160,16 @@ class FutureMap(SlotPool):
         if tokens.device != self.device:
             check_same_device("tokens", tokens, "the FutureMap", self.token_map)
         n = fi._n
-        if n == 0:
-            return
+        if n:
+            self._store(fi, tokens, n)
+
+    def _store(self, fi: FutureIndices, tokens: torch.Tensor, n: int) -> None:
+        """The store itself, ``n = len(fi) > 0``, every argument checked by the caller."""
+        host = self._host
+        start = fi._start
+        if host is not None and start >= 0 and not _common.INTERPRET:
+            if store_run(host, start, tokens.numpy()):
+                return  # the common case on a CPU map: one slice assignment
         is_cuda = tokens.is_cuda
         if not is_cuda and self._narrow32 and tokens.dtype == torch.int64:
             _check_fits(tokens.numpy(), self.dtype)
@@ -158,7 +177,6 @@ class FutureMap(SlotPool):
         checks.before_store(fi, tokens)
         if is_cuda:
             tokens.record_stream(torch.cuda.current_stream(tokens.device))
-        start = fi._start
         if start >= 0:
             launch_store(self.token_map, range(start, start + n), tokens, self.err)
         else:
@@ -180,16 +198,15 @@ class FutureMap(SlotPool):
             check_same_device("ids", ids, "the FutureMap", self.token_map)
         if ids.is_cuda:
             ids.record_stream(torch.cuda.current_stream(ids.device))
-        checks = self._checks
-        checks.before_read(ids)
-        launch_resolve_(ids, self.token_map, self.err)
-        checks.after_read(ids)
-        return ids
+        return self.launch_resolve(ids)
 
     def launch_resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """:meth:`resolve` without its argument checks, for a caller that built ``ids`` itself
         (the runtime: a contiguous int64 vector on the map's device, from a checked
         :class:`tfuture.core.batch.Batch`). Debug mode still checks every slot it reads."""
+        back = self._host_back
+        if back is not None and not _common.INTERPRET and resolve_in_range_(ids.numpy(), back):
+            return ids  # the common case on a CPU map: a few numpy ops on the map's own view
         checks = self._checks
         checks.before_read(ids)
         launch_resolve_(ids, self.token_map, self.err)

@@ -105,21 +105,29 @@ def resolve_(ids: Tensor, token_map: Tensor, err: Err) -> Tensor:
     else:
         m = token_map.numpy()
         back = m[:0:-1]
-    if a.itemsize >= m.itemsize and m.size <= INT32_MAX:
-        # No output narrowing: the common case in a few numpy ops. ``back`` is the map reversed
-        # without row 0, so index ``-s`` (a placeholder as it is) reads row ``s`` for every
-        # slot 1 <= s < n_slots, and any other negative id (the dtype minimum included: it
-        # lies past any map this small) is out of range: numpy's gather then raises IndexError
-        # before anything is written, so a bad placeholder is never read. The checked path
-        # below handles and flags it.
-        neg = a < (_ZERO64 if a.itemsize == 8 else _ZERO32)
-        try:
-            a[neg] = back[a[neg]]
-            return ids
-        except IndexError:
-            pass
-    _resolve_np(a, m, err, narrows(ids.dtype, token_map.dtype))
+    if not resolve_in_range_(a, back):
+        _resolve_np(a, m, err, narrows(ids.dtype, token_map.dtype))
     return ids
+
+
+def resolve_in_range_(a: np.ndarray, back: np.ndarray) -> bool:
+    """The common case of :func:`resolve_` in a few numpy ops, in place; False (nothing
+    written) when it does not apply: the output narrows, or a placeholder lies outside the map.
+
+    ``back`` is the map reversed without row 0 (``view[:0:-1]``), so index ``-s`` (a
+    placeholder as it is) reads row ``s`` for every slot 1 <= s < n_slots, and any other
+    negative id (the dtype minimum included: it lies past any map this small) is out of range:
+    numpy's gather then raises IndexError before anything is written, so a bad placeholder is
+    never read. The checked path handles and flags it.
+    """
+    if a.itemsize < back.itemsize or back.size > INT32_MAX:
+        return False
+    neg = a < (_ZERO64 if a.itemsize == 8 else _ZERO32)
+    try:
+        a[neg] = back[a[neg]]
+    except IndexError:
+        return False
+    return True
 
 
 def malformed(seg: np.ndarray, prefix: np.ndarray) -> bool:
@@ -246,13 +254,8 @@ def store(token_map: Tensor, slots: Slots, values: Tensor, err: Err) -> None:
     entry = _VIEWS.get(id(token_map))
     dst = entry[1] if entry is not None and entry[0]() is token_map else token_map.numpy()
     vals = values.numpy()
-    if type(slots) is range and vals.size and dst.itemsize >= vals.itemsize:
-        # A run inside the map, no token narrowed, every token >= 0 (the minimum, by argmin:
-        # a third of a ufunc reduction's cost): one slice assignment.
-        start, stop = slots.start, slots.stop
-        if start >= 1 and stop <= dst.size and vals[int(vals.argmin())] >= 0:
-            dst[start:stop] = vals
-            return
+    if type(slots) is range and store_run(dst, slots.start, vals):
+        return
     rows, ok = _slot_rows(slots, dst.size, False, err)
     if err is not None:
         # A negative token would resolve into a placeholder-like id, and one past an int32 map
@@ -270,6 +273,18 @@ def store(token_map: Tensor, slots: Slots, values: Tensor, err: Err) -> None:
     else:
         assert isinstance(rows, np.ndarray)
         dst[rows[ok]] = vals[ok]
+
+
+def store_run(dst: np.ndarray, start: int, vals: np.ndarray) -> bool:
+    """``dst[start:start + n] = vals`` when that is all a store does: a non-empty run inside the
+    map, no token narrowed, every token >= 0 (the minimum, by argmin: a third of a ufunc
+    reduction's cost). False (nothing written) otherwise, for the checked path."""
+    stop = start + vals.size
+    if vals.size and dst.itemsize >= vals.itemsize and start >= 1 and stop <= dst.size:
+        if vals[int(vals.argmin())] >= 0:
+            dst[start:stop] = vals
+            return True
+    return False
 
 
 def store_fields(
