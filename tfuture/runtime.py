@@ -28,7 +28,7 @@ from tfuture.sampling import Sampler
 from tfuture.steps.base import InFlight, Op, StepKind
 from tfuture.steps.token import Buckets, TokenStep
 from tfuture.streams.backends import BACKENDS, Delay, ForwardStream, drain_and_close, make_stream
-from tfuture.streams.base import RunWrapper, span_of
+from tfuture.streams.base import RunWrapper, SpanLog
 from tfuture.streams.staging import StagingRing
 from tfuture.streams.stats import RunStats
 
@@ -118,7 +118,7 @@ class OverlapRuntime:
         self._step = 0
         self._inflight: list[InFlight] = []
         self._deferred: list[FutureIndices] = []
-        self._host_spans: list[tuple[str, int, float, float]] = []  # raw: Spans at the run's end
+        self._host_log = SpanLog()  # the host phases' spans (trace=True)
         self._open = False  # a cut run's per-request state is kept for the next run
         self._empty = torch.empty(0, dtype=torch.int64, device=fmap.device)
 
@@ -152,7 +152,7 @@ class OverlapRuntime:
             stream = make_stream(self.fmap.device, self.delay, self.trace, self.backend)
             if self.faults is not None:
                 stream, scheduler = self.faults.wrap_stream(stream), self.faults.wrap_scheduler(scheduler)
-            self._stream, self._step, self._host_spans = stream, 0, []
+            self._stream, self._step, self._host_log = stream, 0, SpanLog()
             # Markers belong to the stream that recorded them; the last run's stream is drained.
             self._in_ring.reset()
             self._out_ring.reset()
@@ -172,8 +172,8 @@ class OverlapRuntime:
         finally:
             stats.wall = time.perf_counter() - t0
             if stream is not None:
-                stats.device_spans = stream.take_spans()
-            stats.host_spans = list(map(span_of, self._host_spans))
+                stats.device_spans = stream.take_log()
+            stats.host_spans = self._host_log  # Spans are made when read
             stats.account()
             self.fmap.device_exec = None
             self._stream = None
@@ -220,18 +220,18 @@ class OverlapRuntime:
 
     def _delayed_sample(self, scheduler: Scheduler, rec: InFlight) -> None:
         """Build the mask on the host (the previous step is processed), then launch the sample."""
-        mask = self._host("build_mask", rec.step, lambda: scheduler.build_mask(rec.batch))
+        mask = self._host("build_mask", rec.step, scheduler.build_mask, rec.batch)
         self._launch_sample(rec, mask)
 
-    def _host(self, name: str, step: int, fn: Callable[[], T]) -> T:
-        """Run a host-side phase, timed for the trace."""
+    def _host(self, name: str, step: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: a host-side phase, timed for the trace (no closure to build)."""
         if not self.trace:
-            return fn()
+            return fn(*args)
         start = time.perf_counter()
         try:
-            return fn()
+            return fn(*args)
         finally:
-            self._host_spans.append((name, step, start, time.perf_counter()))
+            self._host_log.add(name, step, start, time.perf_counter())
 
     def _launch(self, batch: Any) -> InFlight:
         """Enqueue prepare and the forward ops (and the sample unless delayed); no host sync."""
@@ -320,7 +320,7 @@ class OverlapRuntime:
         if self._deferred:
             fmap.release_live(self._deferred)
         if self.trace:
-            self._host_spans.append(("launch", rec.step, start, time.perf_counter()))
+            self._host_log.add("launch", rec.step, start, time.perf_counter())
         return rec
 
     def _launch_sample(self, rec: InFlight, mask: object) -> None:
@@ -356,7 +356,7 @@ class OverlapRuntime:
         assert stream is not None and rec.copy_done is not None and rec.staging is not None
         marker, n, trace = rec.copy_done, rec.n_result, self.trace
         if trace:
-            self._host("wait", rec.step, lambda: stream.wait(marker))
+            self._host("wait", rec.step, stream.wait, marker)
         else:
             stream.wait(marker)
         words = rec.staging.array[: n + 2].copy()
@@ -369,7 +369,7 @@ class OverlapRuntime:
         try:
             # The handle lives through process(), so the scheduler can still filter it.
             if trace:
-                self._host("process", rec.step, lambda: scheduler.process(result))
+                self._host("process", rec.step, scheduler.process, result)
             else:
                 scheduler.process(result)
         except BaseException:

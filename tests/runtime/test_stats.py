@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tfuture.streams.backends import Span
+from tfuture.streams.base import SpanLog
 from tfuture.streams.stats import RunStats
 from tfuture.testing import RequestSpec, ToyModel, run_workload
 
@@ -38,3 +39,30 @@ def test_bubble_accounting_and_trace(tmp_path):
     stats.write_chrome_trace(str(path))
     events = json.loads(path.read_text())["traceEvents"]
     assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+
+
+def test_a_span_log_reads_back_as_spans_and_accounts_like_them():
+    """The hot path records into a SpanLog; the Spans made from it, and the device totals
+    accounted on it, equal those of the same spans as a list (the ops out of start order)."""
+    spans = [
+        Span("forward", 0, 0.5, 2.0),
+        Span("prepare", 0, 0.0, 1.0),
+        Span("prepare", 1, 2.5, 3.0),
+        Span("sample", 1, 3.25, 3.5),
+        Span("copy", 2, 4.0, 4.5),
+    ]
+    log = SpanLog()
+    for s in spans:
+        log.add(*s)
+    assert len(log) == 5 and log.spans() == spans
+    assert all(type(s.step) is int for s in log.spans())
+    from_log = RunStats("overlap", steps=3, device_spans=log, host_spans=SpanLog())
+    from_list = RunStats("overlap", steps=3, device_spans=list(spans))
+    from_log.account()
+    from_list.account()
+    assert from_log.device_busy == pytest.approx(from_list.device_busy) == pytest.approx(3.75)
+    assert from_log.device_idle == pytest.approx(from_list.device_idle) == pytest.approx(1.25)
+    assert from_log.idle_per_step == pytest.approx(from_list.idle_per_step)
+    assert from_log.idle_per_step == pytest.approx({1: 0.75, 2: 0.5})
+    assert from_log.device_spans == spans and from_log.host_spans == []
+    assert "5 spans" in repr(from_log)

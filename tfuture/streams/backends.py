@@ -285,7 +285,7 @@ class CudaStream(ForwardStream):
                 keep.append((name, step, start, end))
                 continue
             a = t0 + origin.elapsed_time(start) / 1e3
-            self.spans.append((name, step, a, t0 + origin.elapsed_time(end) / 1e3))
+            self.log.add(name, step, a, t0 + origin.elapsed_time(end) / 1e3)
         self._pending = keep
 
     def close(self) -> None:

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import operator
 import os
-from dataclasses import dataclass, field
 
-from tfuture.streams.backends import Span
+import numpy as np
 
-_START = operator.itemgetter(2)  # a Span's start
+from tfuture.streams.base import Span, SpanLog
+
+Spans = list[Span] | SpanLog
 
 
-@dataclass(slots=True)
 class RunStats:
     """What one :meth:`OverlapRuntime.run` measured. Times are seconds.
 
@@ -20,17 +19,69 @@ class RunStats:
     step's committed tokens, the extra step's discarded token included). ``device_idle`` is
     the forward stream's idle time between its first and last op, and ``idle_per_step[i]`` the
     idle gap before step ``i``'s first op.
+
+    ``host_spans`` and ``device_spans`` are lists of :class:`Span`; a run hands over the
+    :class:`SpanLog` its hot path recorded, and the Spans are made when first read.
     """
 
-    mode: str
-    steps: int = 0
-    tokens: int = 0
-    wall: float = 0.0
-    device_busy: float = 0.0
-    device_idle: float = 0.0
-    idle_per_step: dict[int, float] = field(default_factory=dict)
-    host_spans: list[Span] = field(default_factory=list)
-    device_spans: list[Span] = field(default_factory=list)
+    __slots__ = (
+        "_device",
+        "_host",
+        "device_busy",
+        "device_idle",
+        "idle_per_step",
+        "mode",
+        "steps",
+        "tokens",
+        "wall",
+    )
+
+    def __init__(
+        self,
+        mode: str,
+        steps: int = 0,
+        tokens: int = 0,
+        wall: float = 0.0,
+        device_busy: float = 0.0,
+        device_idle: float = 0.0,
+        idle_per_step: dict[int, float] | None = None,
+        host_spans: Spans | None = None,
+        device_spans: Spans | None = None,
+    ) -> None:
+        self.mode, self.steps, self.tokens, self.wall = mode, steps, tokens, wall
+        self.device_busy, self.device_idle = device_busy, device_idle
+        self.idle_per_step: dict[int, float] = {} if idle_per_step is None else idle_per_step
+        self._host: Spans = [] if host_spans is None else host_spans
+        self._device: Spans = [] if device_spans is None else device_spans
+
+    def __repr__(self) -> str:
+        return (
+            f"RunStats(mode={self.mode!r}, steps={self.steps}, tokens={self.tokens}, wall={self.wall:.6f}, "
+            f"device_busy={self.device_busy:.6f}, device_idle={self.device_idle:.6f}, "
+            f"host_spans=[{len(self._host)} spans], device_spans=[{len(self._device)} spans])"
+        )
+
+    @property
+    def host_spans(self) -> list[Span]:
+        """Host phases (schedule, launch, wait, process, ...), in recording order."""
+        if isinstance(self._host, SpanLog):
+            self._host = self._host.spans()
+        return self._host
+
+    @host_spans.setter
+    def host_spans(self, spans: Spans) -> None:
+        self._host = spans
+
+    @property
+    def device_spans(self) -> list[Span]:
+        """Forward-stream ops (prepare, forward, sample, copy, ...), in recording order."""
+        if isinstance(self._device, SpanLog):
+            self._device = self._device.spans()
+        return self._device
+
+    @device_spans.setter
+    def device_spans(self, spans: Spans) -> None:
+        self._device = spans
 
     @property
     def step_time(self) -> float:
@@ -46,19 +97,26 @@ class RunStats:
         return self.device_idle / span if span else 0.0
 
     def account(self) -> None:
-        """Fill the device totals from ``device_spans``."""
-        spans = sorted(self.device_spans, key=_START)
-        busy = idle = 0.0
-        last_end: float | None = None
+        """Fill the device totals from ``device_spans``: busy is the sum of the ops' times; in
+        start order, a gap between an op's start and the latest end before it is idle, billed
+        to that op's step."""
+        dev = self._device
+        if isinstance(dev, SpanLog):
+            steps, starts, ends = dev.columns()
+        else:
+            t = np.array([(s[1], s[2], s[3]) for s in dev], dtype=np.float64).reshape(-1, 3)
+            steps, starts, ends = t[:, 0], t[:, 1], t[:, 2]
+        order = np.argsort(starts, kind="stable")
+        steps, starts, ends = steps[order], starts[order], ends[order]
         per_step: dict[int, float] = {}
-        for _, step, start, end in spans:  # Spans are tuples: unpacking is the cheap read
-            busy += end - start
-            if last_end is not None and start > last_end:
-                gap = start - last_end
+        idle = 0.0
+        if starts.size > 1:
+            gaps = starts[1:] - np.maximum.accumulate(ends)[:-1]
+            late = gaps > 0
+            for step, gap in zip(steps[1:][late].tolist(), gaps[late].tolist(), strict=True):
+                per_step[int(step)] = per_step.get(int(step), 0.0) + gap
                 idle += gap
-                per_step[step] = per_step.get(step, 0.0) + gap
-            last_end = end if last_end is None or end > last_end else last_end
-        self.device_busy, self.device_idle, self.idle_per_step = busy, idle, per_step
+        self.device_busy, self.device_idle, self.idle_per_step = float((ends - starts).sum()), idle, per_step
 
     def summary(self) -> str:
         return (

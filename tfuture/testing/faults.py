@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tfuture.streams.backends import ForwardStream, Marker, Span
+from tfuture.streams.base import SpanLog
 
 # The main stream ops of a token step and of a speculative step; every kind lists all of its
 # own in ``StepKind.stream_ops``, and a plan is checked against them when a runtime binds it.
@@ -169,6 +170,9 @@ class FaultyStream(ForwardStream):
 
     def close(self) -> None:
         self.inner.close()
+
+    def take_log(self) -> SpanLog:
+        return self.inner.take_log()
 
     def take_spans(self) -> list[Span]:
         return self.inner.take_spans()
