@@ -14,7 +14,7 @@ from tfuture.core.slots import FutureIndices
 _INT64_MAX = np.iinfo(np.int64).max
 # The ufunc reductions themselves: ndarray.min() goes through a Python wrapper (about 1 us more),
 # on every step's host path.
-_MIN, _MAX, _SUM = np.minimum.reduce, np.maximum.reduce, np.add.reduce
+_SUM = np.add.reduce
 _FALSE = np.zeros(4096, dtype=np.bool_)
 _FALSE.flags.writeable = False
 #: The read-only array whose views are the ``Batch.delayed`` of batches where nothing waits
@@ -174,9 +174,10 @@ class Batch:
         if type(sample) is not np.ndarray or sample.dtype != _BOOL or sample.shape != seg_lens.shape:
             raise TypeError(f"Batch.sample must be a bool numpy array of {n} entries, got {sample!r}")
         if n:
-            if _MIN(seg_lens) < 1:
+            # An extreme by its index: argmin costs about a third of a ufunc reduction.
+            if seg_lens[seg_lens.argmin()] < 1:
                 raise ValueError(f"Batch.seg_lens must be >= 1, got min {seg_lens.min()}")
-            if _MIN(prefix) < 0:
+            if prefix[prefix.argmin()] < 0:
                 raise ValueError(f"Batch.prefix_lens must be >= 0, got min {prefix.min()}")
         # KV rows, penalty history and parameters are keyed by request id: ids are unique. A set
         # is cheaper than a sort up to a few hundred requests.
@@ -199,9 +200,11 @@ class Batch:
                     f"Batch.ended names request {int(ended[live[0]])}, which is in this batch's "
                     "req_ids: an ended request appears in no step from this one on"
                 )
-        want = int(_SUM(seg_lens))
-        if want != tokens.size:
-            raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {tokens.size}")
+        # A decode step (every segment 1 long, seg_lens >= 1 above) needs no sum.
+        if tokens.size != n or (n and seg_lens[seg_lens.argmax()] != 1):
+            want = int(_SUM(seg_lens))
+            if want != tokens.size:
+                raise ValueError(f"Batch.tokens must hold sum(seg_lens) = {want} ids, got {tokens.size}")
 
     @property
     def n_reqs(self) -> int:

@@ -220,13 +220,16 @@ class TokenStep(StepKind):
         late, now, mask_rows = self._split_rows(batch, sample_reqs)
         splan = self.path.plan(self, batch, sample_reqs)
         split = bool(late.size and now.size)
+        # A decode step where every request samples, unpadded: its sampling requests are its
+        # last rows (both arange(n_reqs)); prepare takes that view instead of staging a copy.
+        as_last = every and n_tok == n_reqs and self.buckets is None
         inputs = TokenInputs(
             batch.tokens,
             seg_starts,
             prefix,
             rids,
             lens,
-            sample_reqs,
+            _NO_ROWS if as_last else sample_reqs,
             late if split else _NO_ROWS,
             now if split else _NO_ROWS,
             splan.words,
@@ -271,11 +274,15 @@ class TokenStep(StepKind):
         else:
             ids, positions, last = self._prepare_rows(state, inputs)
             n_reqs = last.numel()
-        sreq = inputs.sample_reqs
         # Every request samples and none is padding: the sampling rows are the last rows
-        # themselves, no gather.
+        # themselves, no gather (and a decode step's sampling requests too: see plan_batch).
         n_sample = state.sample_reqs.size
-        sample_rows = last if n_sample == host.seg_lens.size == n_reqs else last.index_select(0, sreq)
+        if n_sample == host.seg_lens.size == n_reqs:
+            sample_rows = last
+            sreq = last if host.max_seg_len <= 1 and self.buckets is None else inputs.sample_reqs
+        else:
+            sreq = inputs.sample_reqs
+            sample_rows = last.index_select(0, sreq)
         state.fwd = ForwardBatch(
             rec.step,
             ids,
