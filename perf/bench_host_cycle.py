@@ -16,6 +16,11 @@ Tensors on ``DEVICE`` (CPU without a GPU, one torch thread). Lines:
 * ``seed_ring_compile``: the same with ``torch.compile`` of the resolve, per size.
 * ``pool_indexed``: a buffer indexed by request-pool slot, as SGLang does today:
   ``buf[req_pool_indices] = tokens``; next step ``ids = cat([prefill, buf[running]])``.
+* ``checked_floor`` (CPU only): the same seven calls as ``tfuture`` on
+  :class:`perf.floor_cycle.FloorMap`, the least a checked public API can do (each call's
+  argument checks, then straight-line numpy on the map's arrays). ``tfuture_over_checked_floor``
+  is tfuture's own layering; ``checked_floor_over_pool_indexed`` is the price of the calls and
+  their checks against an unchecked buffer.
 
 The lines of one batch size run interleaved, ``REPEATS`` timed batches each; ratios are the
 median of the per-repeat ratios, so a slow spell of a shared machine hits both sides.
@@ -33,15 +38,17 @@ import triton
 
 import tfuture
 from perf import baselines, contract, harness
+from perf.floor_cycle import FloorMap
 from perf.harness import DEVICE, HAS_CUDA
 
 BATCH = [1, 4, 16, 64, 256, 1024]
 REPEATS = harness.sweep([31], [7])[0]
 N_PREFILL = 8
-LINES = ["tfuture", "seed_ring", "seed_ring_compile", "pool_indexed"]
-STYLES = [("blue", "-"), ("red", "--"), ("green", "-."), ("black", ":")]
+LINES = ["tfuture", "seed_ring", "seed_ring_compile", "pool_indexed", "checked_floor"]
+STYLES = [("blue", "-"), ("red", "--"), ("green", "-."), ("black", ":"), ("purple", "--")]
 RATIOS = {"seed_ring": "tfuture_over_seed_ring", "pool_indexed": "tfuture_over_pool_indexed"}
 RATIOS["seed_ring_compile"] = "tfuture_over_seed_ring_compile"
+RATIOS["checked_floor"] = "tfuture_over_checked_floor"
 
 
 def seed_resolve_(ids: torch.Tensor, token_map: torch.Tensor) -> torch.Tensor:
@@ -75,6 +82,21 @@ def tfuture_cycle(x: Inputs) -> Callable[[], torch.Tensor]:
         fmap.store(fi, x.tokens)
         keep = fi.filter(next(masks))
         ids = fmap.resolve(torch.cat([x.prefill, keep.placeholders()]))
+        fmap.release(fi)
+        fmap.release(keep)
+        return ids
+
+    return cycle
+
+
+def checked_floor_cycle(x: Inputs) -> Callable[[], torch.Tensor]:
+    fmap, masks = FloorMap(3 * x.n), itertools.cycle(x.masks)
+
+    def cycle() -> torch.Tensor:
+        fi = fmap.alloc(x.n)
+        fmap.store(fi, x.tokens)
+        keep = fmap.filter(fi, next(masks))
+        ids = fmap.resolve(torch.cat([x.prefill, fmap.placeholders(keep)]))
         fmap.release(fi)
         fmap.release(keep)
         return ids
@@ -122,6 +144,8 @@ def make_cycles(n: int) -> dict[str, Callable[[], torch.Tensor]]:
         "seed_ring": seed_ring_cycle(x),
         "pool_indexed": pool_indexed_cycle(x),
     }
+    if not HAS_CUDA:
+        cycles["checked_floor"] = checked_floor_cycle(x)  # a CPU map's floor
     example = torch.cat([x.prefill, -torch.ones(x.n_keep, dtype=torch.int64, device=DEVICE)])
     ring = torch.zeros(4 * x.n + 1, dtype=torch.int64, device=DEVICE)  # the ring's shape: one compile
     compiled = baselines.compiled(seed_resolve_, example, ring)
@@ -202,6 +226,13 @@ def main() -> None:
         for line, key in RATIOS.items()
         if all(line in measure(n) for n in BATCH)
     }
+    if all("checked_floor" in measure(n) for n in BATCH):
+        ratios["checked_floor_over_pool_indexed"] = [
+            round(float(np.median(measure(n)["checked_floor"] / measure(n)["pool_indexed"])), 3)
+            for n in BATCH
+        ]
+    else:
+        harness.skip("host_cycle: checked_floor line", "the floor prototype is a CPU map's (numpy)")
     harness.record("host_cycle", {"batch_sizes": BATCH, "repeats": REPEATS, **ratios})
     for key, values in ratios.items():
         print(f"{key} (median of per-repeat ratios):", dict(zip(BATCH, values, strict=True)))

@@ -93,3 +93,37 @@ def test_contract_judges_the_rows_the_runtime_benchmarks_write() -> None:
     assert rows["overlap.step_over_nominal.overlap_batch16.1"]["status"] == "pass"
     assert rows["overlap.step_over_nominal.overlap_batch16.4"]["status"] == "MISS"
     assert rows["overlap.step_over_nominal.overlap_batch64.4"]["status"] == "no data"
+
+
+@pytest.mark.parametrize("n", [1, 5, 64])
+def test_the_checked_floor_keeps_the_bookkeeping_rules(n: int) -> None:
+    """``bench_host_cycle``'s checked_floor line: the same ids as the other lines, every slot
+    back after each cycle, a released or foreign handle and a bad tensor refused."""
+    from perf.bench_host_cycle import Inputs, checked_floor_cycle
+    from perf.floor_cycle import FloorMap
+
+    x = Inputs(n)
+    cycle = checked_floor_cycle(x)
+    for i in range(7):  # around the ring more than once
+        assert torch.equal(cycle(), x.expected(i))
+    fmap = FloorMap(2 * n)
+    fi = fmap.alloc(n)
+    keep = fmap.filter(fi, np.ones(n, dtype=bool))
+    assert fmap.refs[fi.start : fi.start + n].tolist() == [2] * n
+    with pytest.raises(RuntimeError, match="full"):
+        fmap.alloc(n + 1)
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        fmap.store(fi, -torch.ones(n, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        fmap.store(fi, torch.zeros(n, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="entries"):
+        fmap.store(fi, torch.zeros(n + 1, dtype=torch.int64))
+    with pytest.raises(IndexError):
+        fmap.resolve(torch.tensor([-(2 * n + 1)]))  # past the map: never read
+    fmap.release(fi)
+    with pytest.raises(ValueError, match="live handle"):
+        fmap.release(fi)
+    with pytest.raises(ValueError, match="live handle"):
+        FloorMap(n).release(keep)
+    fmap.release(keep)
+    assert fmap.in_use == 0 and fmap.refs[1:].sum() == 0
