@@ -191,13 +191,19 @@ class OverlapRuntime:
         True when ``max_steps`` stopped it (the scheduler may still have work)."""
         prev: InFlight | None = None
         cut = False
+        # Host phases are traced inline (a span is two clock reads and two appends): a failed
+        # phase's span is never read, since the run raises and its stats are dropped.
+        trace, clock, log = self.trace, time.perf_counter, self._host_log
         while True:
             if max_steps is not None and stats.steps >= max_steps:
                 cut = True
                 break
-            batch = (
-                self._host("schedule", self._step, scheduler.schedule) if self.trace else scheduler.schedule()
-            )
+            if trace:
+                start = clock()
+                batch = scheduler.schedule()
+                log.items.extend(("schedule", self._step, start, clock()))
+            else:
+                batch = scheduler.schedule()
             if batch is None:
                 if prev is None:
                     break
@@ -231,7 +237,7 @@ class OverlapRuntime:
         try:
             return fn(*args)
         finally:
-            self._host_log.add(name, step, start, time.perf_counter())
+            self._host_log.add(name, step, start, time.perf_counter())  # rare phases only
 
     def _launch(self, batch: Any) -> InFlight:
         """Enqueue prepare and the forward ops (and the sample unless delayed); no host sync."""
@@ -320,7 +326,7 @@ class OverlapRuntime:
         if self._deferred:
             fmap.release_live(self._deferred)
         if self.trace:
-            self._host_log.add("launch", rec.step, start, time.perf_counter())
+            self._host_log.items.extend(("launch", rec.step, start, time.perf_counter()))
         return rec
 
     def _launch_sample(self, rec: InFlight, mask: object) -> None:
@@ -356,7 +362,10 @@ class OverlapRuntime:
         assert stream is not None and rec.copy_done is not None and rec.staging is not None
         marker, n, trace = rec.copy_done, rec.n_result, self.trace
         if trace:
-            self._host("wait", rec.step, stream.wait, marker)
+            log, clock = self._host_log, time.perf_counter
+            start = clock()
+            stream.wait(marker)
+            log.items.extend(("wait", rec.step, start, clock()))
         else:
             stream.wait(marker)
         words = rec.staging.array[: n + 2].copy()
@@ -369,7 +378,9 @@ class OverlapRuntime:
         try:
             # The handle lives through process(), so the scheduler can still filter it.
             if trace:
-                self._host("process", rec.step, scheduler.process, result)
+                start = clock()
+                scheduler.process(result)
+                log.items.extend(("process", rec.step, start, clock()))
             else:
                 scheduler.process(result)
         except BaseException:
