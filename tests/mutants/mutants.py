@@ -328,11 +328,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "map-resolve-unflagged",
         "tfuture/core/future_map.py",
         "launch_resolve_(ids, self.token_map, self.err)\n        checks.after_read(ids)\n"
-        "        return ids\n\n    def launch_resolve(",
+        "        return ids\n\n    def prepare_inputs(",
         "launch_resolve_(ids, self.token_map, None)\n        checks.after_read(ids)\n"
-        "        return ids\n\n    def launch_resolve(",
+        "        return ids\n\n    def prepare_inputs(",
         ("tests/core/test_futures.py",),
         "FutureMap.resolve passes no error flag: a bad placeholder is never reported",
+    ),
+    Mutant(
+        "cpu-store-run-negative",
+        "tfuture/kernels/cpu.py",
+        "if vals[int(vals.argmin())] >= 0:",
+        "if True:",
+        ("tests/core/test_fast_paths.py",),
+        "a CPU map's one-slice store keeps negative tokens: one resolves later into a placeholder-like id",
+    ),
+    Mutant(
+        "cpu-resolve-clamped",
+        "tfuture/kernels/cpu.py",
+        "a[neg] = back[a[neg]]",
+        "a[neg] = back[np.maximum(a[neg], -back.size)]",
+        ("tests/core/test_fast_paths.py",),
+        "a CPU map's resolve clamps a placeholder past the map to its last slot: a wrong token, unflagged",
     ),
     Mutant(
         "map-fits-int32-max",
