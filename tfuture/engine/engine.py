@@ -17,20 +17,19 @@ engine stays usable for new requests.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from tfuture.core.future_map import FutureMap
-from tfuture.engine.detok import IncrementalDecoder, decode, encode
+from tfuture.engine.detok import encode
 from tfuture.engine.inputs import (
     Prompt,
     _adapt,
@@ -47,14 +46,19 @@ from tfuture.engine.inputs import (
     _token_ids,
     _vocab,
 )
+from tfuture.engine.outputs import (
+    EngineError,
+    GenerateResult,
+    RequestOutput,
+    TokenStream,
+    _Collector,
+)
 from tfuture.grammars.xgrammar import XGrammarCompiler
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.scheduler.options import GenerationParams
 from tfuture.scheduler.request import RequestSpec
 from tfuture.scheduler.serving import (
-    Completion,
-    RequestTimings,
     ServingScheduler,
     TokenUpdate,
     UpdateCallback,
@@ -76,51 +80,6 @@ OnTokens = Callable[["Engine", TokenUpdate], None]
 MAX_RUNNING = 32
 # Compiled grammars an engine keeps (by schema text), for requests that repeat a schema.
 _GRAMMAR_CACHE = 256
-
-
-class EngineError(RuntimeError):
-    """A run failed while a request's results were awaited; ``__cause__`` is the run's error."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one request produced: token ids (the stop token included), text (with a tokenizer:
-    the output's text, special tokens left out), why it finished (``"stop"``, ``"length"``,
-    ``"abort"``, ``"grammar"``, ``"error"``) and its host timings (``timings.ttft``,
-    ``timings.tpot``, ``timings.latency``)."""
-
-    rid: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
-    timings: RequestTimings
-
-
-@dataclass(slots=True)
-class GenerateResult:
-    """:func:`generate`'s outputs in request order (the prompts', then requests added during
-    the call) and the run's :class:`tfuture.RunStats` (None when another thread drove the run;
-    merged when the call took more than one run). Indexable and iterable over the outputs."""
-
-    outputs: list[RequestOutput]
-    stats: RunStats | None
-
-    def __len__(self) -> int:
-        return len(self.outputs)
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        return iter(self.outputs)
-
-    def __getitem__(self, i: int) -> RequestOutput:
-        return self.outputs[i]
-
-    def by_rid(self, rid: int) -> RequestOutput:
-        for o in self.outputs:
-            if o.rid == rid:
-                return o
-        raise KeyError(rid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,134 +432,6 @@ class Engine:
         self.scheduler.end_run()
         self.last_stats = stats
         return stats
-
-
-class TokenStream:
-    """The iterator :meth:`Engine.stream` returns (see there); ``rids`` are its requests' ids.
-    Closing it (``close()``, ``with``, or dropping it) aborts the requests still running."""
-
-    def __init__(self, engine: Engine, rids: list[int], q: queue.SimpleQueue[TokenUpdate]) -> None:
-        self.engine, self.rids, self._q = engine, rids, q
-        self._open = set(rids)
-        tok = engine.tokenizer
-        self._decoders = {rid: IncrementalDecoder(tok) for rid in rids} if tok is not None else None
-
-    def __iter__(self) -> TokenStream:
-        return self
-
-    def __next__(self) -> TokenUpdate:
-        if not self._open:
-            raise StopIteration
-        self.engine._check_not_driving("iterating a stream")
-        update = self._q.get()
-        if update.error is not None:
-            self.close()
-            raise EngineError(
-                f"the engine's run failed while request {update.rid} was live"
-            ) from update.error
-        if self._decoders is not None:
-            dec = self._decoders[update.rid]
-            text = dec.push(update.tokens) + (dec.flush() if update.finished else "")
-            update = replace(update, text=text)
-        if update.finished:
-            self._open.discard(update.rid)
-        return update
-
-    def close(self) -> None:
-        """Abort the requests of this stream that have not finished."""
-        left, self._open = self._open, set()
-        for rid in left:
-            self.engine.abort(rid)
-
-    def __enter__(self) -> TokenStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
-
-
-class _Collector:
-    """One :meth:`Engine.generate` call: its requests' completions, ``on_tokens``, the bar."""
-
-    def __init__(self, engine: Engine, on_tokens: OnTokens | None, bar: Any) -> None:
-        self.engine, self.on_tokens, self.bar = engine, on_tokens, bar
-        self.order: list[int] = []
-        self.texts: dict[int, str | None] = {}
-        self.done: dict[int, Completion] = {}
-        self.decoders: dict[int, IncrementalDecoder] = {}
-        self.error: BaseException | None = None
-
-    def expect(self, rid: int, text: str | None, also: UpdateCallback | None) -> UpdateCallback:
-        """Under the engine's lock: ``rid`` belongs to this call; its callback."""
-        self.order.append(rid)
-        self.texts[rid] = text
-        if self.bar is not None and len(self.order) > self.bar.total:
-            self.bar.total = len(self.order)
-            self.bar.refresh()
-
-        def callback(update: TokenUpdate) -> None:
-            try:
-                if also is not None:
-                    also(update)
-                if self.on_tokens is not None:
-                    self._call(update)
-            finally:
-                if update.finished:
-                    self._finished(update)
-
-        return callback
-
-    def _call(self, update: TokenUpdate) -> None:
-        assert self.on_tokens is not None
-        tok = self.engine.tokenizer
-        if tok is not None:
-            dec = self.decoders.get(update.rid)
-            if dec is None:
-                dec = self.decoders[update.rid] = IncrementalDecoder(tok)
-            text = dec.push(update.tokens) + (dec.flush() if update.finished else "")
-            update = replace(update, text=text)
-        local = self.engine._local
-        outer, local.collector = getattr(local, "collector", None), self
-        try:
-            self.on_tokens(self.engine, update)
-        finally:
-            local.collector = outer
-
-    def _finished(self, update: TokenUpdate) -> None:
-        assert update.completion is not None
-        with self.engine._cond:
-            self.done[update.rid] = update.completion
-            if update.error is not None and self.error is None:
-                self.error = update.error
-            self.decoders.pop(update.rid, None)
-            self.engine._cond.notify_all()
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def wait(self) -> None:
-        """Block (no polling) until every request of the call finished; raise if a run failed."""
-        with self.engine._cond:
-            while len(self.done) < len(self.order):
-                self.engine._cond.wait()
-        if self.error is not None:
-            raise EngineError("the engine's run failed during generate()") from self.error
-
-    def result(self, stats: RunStats | None) -> GenerateResult:
-        tok = self.engine.tokenizer
-        outs = []
-        for rid in self.order:
-            c = self.done[rid]
-            text = decode(tok, c.token_ids) if tok is not None else None
-            outs.append(
-                RequestOutput(
-                    rid, self.texts[rid], c.prompt_token_ids, c.token_ids, text, c.finish_reason, c.timings
-                )
-            )
-        return GenerateResult(outs, stats)
 
 
 def generate(
