@@ -66,3 +66,30 @@ def test_a_span_log_reads_back_as_spans_and_accounts_like_them():
     assert from_log.idle_per_step == pytest.approx({1: 0.75, 2: 0.5})
     assert from_log.device_spans == spans and from_log.host_spans == []
     assert "5 spans" in repr(from_log)
+
+
+def test_a_span_log_reads_chains_of_back_to_back_ops_in_start_order():
+    """A stream records a step's ops as a chain (its start, then each op's end); a failed first
+    op leaves an empty chain; single spans (``add``) merge with the chains in start order."""
+    log = SpanLog()
+    log.chains.extend((0, 1.0, len(log.links)))
+    log.links.extend(("prepare", 1.5, "forward", 3.0, "copy", 3.25))
+    log.add("debug", -1, 3.5, 3.75)
+    log.chains.extend((1, 4.0, len(log.links)))  # its first op failed: no op ended
+    log.chains.extend((2, 5.0, len(log.links)))
+    log.links.extend(("prepare", 5.5))
+    want = [
+        Span("prepare", 0, 1.0, 1.5),
+        Span("forward", 0, 1.5, 3.0),
+        Span("copy", 0, 3.0, 3.25),
+        Span("debug", -1, 3.5, 3.75),
+        Span("prepare", 2, 5.0, 5.5),
+    ]
+    assert len(log) == 5 and log.spans() == want
+    steps, starts, ends = log.columns()
+    assert steps.tolist() == [0, 0, 0, -1, 2] and starts.tolist() == [s.start for s in want]
+    assert ends.tolist() == [s.end for s in want]
+    stats = RunStats("overlap", device_spans=log)
+    stats.account()
+    assert stats.device_busy == pytest.approx(3.0) and stats.device_idle == pytest.approx(1.5)
+    assert stats.idle_per_step == pytest.approx({-1: 0.25, 2: 1.25})
