@@ -12,7 +12,7 @@ from tfuture.core.params import SamplingParams
 from tfuture.core.slots import FutureIndices
 
 _INT64_MAX = np.iinfo(np.int64).max
-# The ufunc reductions themselves: ndarray.min() goes through a Python wrapper (about 1 us more),
+# The ufunc reduction itself: ndarray.sum() goes through a Python wrapper (about 1 us more),
 # on every step's host path.
 _SUM = np.add.reduce
 _FALSE = np.zeros(4096, dtype=np.bool_)
