@@ -160,6 +160,7 @@ class OverlapRuntime:
             cut = self._loop(scheduler, max_steps, stats) or bool(getattr(user_scheduler, "cut", False))
             self.fmap.release_live(self._deferred)
             stream.close()
+            self.kind.drained()  # a cut run too: nothing in flight needs it now
             if cut:
                 # Requests may still be live: their state (parameters, penalty history, KV rows)
                 # stays for the next run of this runtime (close() gives it up).

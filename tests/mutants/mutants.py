@@ -600,6 +600,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a graphed step's padding rows store into slot 0 instead of the scratch slot",
     ),
     Mutant(
+        "runtime-scratch-kept-after-cut",
+        "tfuture/runtime.py",
+        "            self.kind.drained()  # a cut run too: nothing in flight needs it now\n",
+        "",
+        ("tests/runtime/test_step_graphs.py",),
+        "a run cut by max_steps keeps the graphs' scratch slot: the map holds a slot nobody names",
+    ),
+    Mutant(
         "runtime-slots-never-staged",
         "tfuture/runtime.py",
         "            if plan.with_out is not None:\n                plan.with_out(out)\n",

@@ -77,6 +77,25 @@ def test_a_second_run_replays_the_graphs_of_the_first() -> None:
     assert g.captures == len(g.buckets)  # nothing captured twice
 
 
+def test_a_run_cut_by_max_steps_gives_the_scratch_slot_back_and_continues() -> None:
+    """A cut run keeps per-request state for its continuation, but not the scratch slot: once
+    it returns, the map holds exactly what it holds without graphs (the soak caught a cut graph
+    episode holding one slot more), and the continuation takes a fresh scratch slot."""
+    held, outs = [], []
+    for graphs in (False, True):
+        fmap = FutureMap(64, device="cpu")
+        sched = ContinuousBatcher(random_workload(3, 12, max_new=9), fmap, max_running=4)
+        rt = OverlapRuntime(ToyModel(), fmap, buckets=BUCKETS, graphs=graphs)
+        assert rt.run(sched, max_steps=5).steps == 5 and not sched.idle
+        held.append(fmap.in_use)
+        if graphs:
+            assert graphs_of(rt).scratch is None
+        rt.run(sched)
+        outs.append(sched.outputs)
+        assert fmap.in_use == 0
+    assert held[0] == held[1] and outs[0] == outs[1]
+
+
 def test_steps_larger_than_every_bucket_run_eagerly_with_the_same_tokens() -> None:
     small = Buckets(rows=(4,), reqs=(2, 4))  # every prefill chunk of more than 4 tokens is larger
     ref, _, _ = run(False, buckets=small)

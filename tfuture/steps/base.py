@@ -119,5 +119,9 @@ class StepKind(ABC):
     def n_tokens(self, result: Any) -> int:
         """Tokens the step produced (for tokens/s)."""
 
+    def drained(self) -> None:  # noqa: B027 - most kinds hold nothing only a running step needs
+        """On the host, after every run (one cut by ``max_steps`` too) once the stream was
+        drained: give back what only steps in flight need; per-request state stays."""
+
     def close(self) -> None:  # noqa: B027 - most kinds hold nothing past a run
         """On the host, once a run ended or failed and the stream was drained."""

@@ -455,6 +455,11 @@ class TokenStep(StepKind):
     def n_tokens(self, result: StepResult) -> int:
         return int(result.tokens.size)
 
+    def drained(self) -> None:
+        if self.graphs is not None and self.fmap is not None:
+            # The scratch slot: steps stage it (never a graph), so the next run takes a fresh one.
+            self.graphs.close(self.fmap)
+
     def close(self) -> None:
         if self.graphs is not None and self.fmap is not None:
             self.graphs.close(self.fmap)  # the scratch slot (the stream was drained)
