@@ -240,6 +240,10 @@ class ForwardBatch(NamedTuple):
     [n_sample]`` int64 (their last rows: the only rows whose logits the sampler needs),
     ``seg_starts [n_reqs + 1]`` int64 (request ``q`` owns rows ``seg_starts[q]:seg_starts[q+1]``)
     and ``host``, the :class:`HostMeta` mirrors.
+
+    The tensors may share memory: in a decode step ``last_rows``, ``sample_rows`` and
+    ``sample_reqs`` are one view of ``seg_starts``, and ``positions`` a view of the staged
+    prefix lengths. Read them; never write them in place.
     """
 
     step: int
