@@ -221,16 +221,14 @@ def main() -> None:
     harness.save(host_cycle, look)
     if any("seed_ring_compile" not in measure(n) for n in BATCH):
         harness.skip("host_cycle: seed_ring_compile line", "torch.compile failed here (see the log)")
-    ratios = {
-        key: [round(float(np.median(measure(n)["tfuture"] / measure(n)[line])), 3) for n in BATCH]
-        for line, key in RATIOS.items()
-        if all(line in measure(n) for n in BATCH)
-    }
-    if all("checked_floor" in measure(n) for n in BATCH):
-        ratios["checked_floor_over_pool_indexed"] = [
-            round(float(np.median(measure(n)["checked_floor"] / measure(n)["pool_indexed"])), 3)
-            for n in BATCH
-        ]
+
+    def ratio(num: str, den: str) -> list[float]:
+        return [round(float(np.median(measure(n)[num] / measure(n)[den])), 3) for n in BATCH]
+
+    ran = {line for line in LINES if all(line in measure(n) for n in BATCH)}
+    ratios = {key: ratio("tfuture", line) for line, key in RATIOS.items() if line in ran}
+    if "checked_floor" in ran:
+        ratios["checked_floor_over_pool_indexed"] = ratio("checked_floor", "pool_indexed")
     else:
         harness.skip("host_cycle: checked_floor line", "the floor prototype is a CPU map's (numpy)")
     harness.record("host_cycle", {"batch_sizes": BATCH, "repeats": REPEATS, **ratios})

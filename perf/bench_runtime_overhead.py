@@ -131,8 +131,8 @@ def measure(n: int) -> dict[str, np.ndarray]:
     run are left out."""
     # The CPU worker lines run as their own interleaved group, after the others: interleaved
     # with them, the worker threads' glibc malloc arenas slowed the single-threaded lines (the
-    # judged ones) by up to 1.4x, and the runtime more than the loops (gone under
-    # MALLOC_ARENA_MAX=1): a cost of sharing this process, not of those lines.
+    # judged ones), the runtime more than the loops (not so under MALLOC_ARENA_MAX=1): a cost
+    # of sharing this process, not of those lines.
     out: dict[str, np.ndarray] = {}
     for threaded in (False, True):
         runs: dict[str, Callable[[], tuple[float, float, float]]] = {}

@@ -18,7 +18,7 @@ from tfuture.streams.stats import RunStats
 __all__ = ["EngineError", "GenerateResult", "RequestOutput", "TokenStream"]
 
 
-class Engine(Protocol):
+class EngineLike(Protocol):
     """What a stream and a collector use of their :class:`tfuture.engine.Engine` (a protocol:
     this module is below the engine's)."""
 
@@ -80,7 +80,7 @@ class TokenStream:
     """The iterator :meth:`Engine.stream` returns (see there); ``rids`` are its requests' ids.
     Closing it (``close()``, ``with``, or dropping it) aborts the requests still running."""
 
-    def __init__(self, engine: Engine, rids: list[int], q: queue.SimpleQueue[TokenUpdate]) -> None:
+    def __init__(self, engine: EngineLike, rids: list[int], q: queue.SimpleQueue[TokenUpdate]) -> None:
         self.engine, self.rids, self._q = engine, rids, q
         self._open = set(rids)
         tok = engine.tokenizer
@@ -128,7 +128,7 @@ class _Collector:
     """One :meth:`Engine.generate` call: its requests' completions, ``on_tokens``, the bar."""
 
     def __init__(
-        self, engine: Engine, on_tokens: Callable[[Any, TokenUpdate], None] | None, bar: Any
+        self, engine: EngineLike, on_tokens: Callable[[Any, TokenUpdate], None] | None, bar: Any
     ) -> None:
         self.engine, self.on_tokens, self.bar = engine, on_tokens, bar
         self.order: list[int] = []

@@ -55,15 +55,18 @@ class SpanLog:
     def add(self, name: str, step: int, start: float, end: float) -> None:
         self.items.extend((name, step, start, end))
 
-    def _parts(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-        """``(names, steps, starts, ends)`` of every span: the items', then the chains'."""
+    def _names(self) -> list[str]:
+        """Every span's name: the items', then the chains'."""
+        return self.items[0::4] + self.links[0::2]
+
+    def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(steps, starts, ends)`` of every span: the items', then the chains'."""
         items, links = self.items, self.links
-        names: list[str] = items[0::4]
         steps = np.array(items[1::4], dtype=np.int64)
         starts = np.array(items[2::4], dtype=np.float64)
         ends = np.array(items[3::4], dtype=np.float64)
         if not links:
-            return names, steps, starts, ends
+            return steps, starts, ends
         c_ends = np.array(links[1::2], dtype=np.float64)
         chains = np.array(self.chains, dtype=np.float64).reshape(-1, 3)  # step, start, len(links)
         first = chains[:, 2].astype(np.int64) // 2  # the chain's first op
@@ -74,27 +77,30 @@ class SpanLog:
         c_starts[first[ran]] = chains[ran, 1]  # ... but a chain's first op at the chain's start
         c_steps = np.repeat(chains[:, 0].astype(np.int64), counts)
         return (
-            names + links[0::2],
             np.concatenate([steps, c_steps]),
             np.concatenate([starts, c_starts]),
             np.concatenate([ends, c_ends]),
         )
 
-    def _ordered(self) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-        names, steps, starts, ends = self._parts()
-        if self.items and self.links:  # two lists: merge them in start order
-            order = np.argsort(starts, kind="stable")
-            names = [names[i] for i in order.tolist()]
-            steps, starts, ends = steps[order], starts[order], ends[order]
-        return names, steps, starts, ends
+    def _order(self, starts: np.ndarray) -> np.ndarray | None:
+        """The permutation into start order when both lists hold spans, else None (one list
+        is recorded in start order already)."""
+        return np.argsort(starts, kind="stable") if self.items and self.links else None
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(steps, starts, ends)``: int64, float64, float64 ``[len(self)]``, in start order."""
-        return self._ordered()[1:]
+        steps, starts, ends = self._columns()
+        order = self._order(starts)
+        return (steps, starts, ends) if order is None else (steps[order], starts[order], ends[order])
 
     def spans(self) -> list[Span]:
         """The recorded spans, in start order (recording order on one stream)."""
-        names, steps, starts, ends = self._ordered()
+        names = self._names()
+        steps, starts, ends = self._columns()
+        order = self._order(starts)
+        if order is not None:
+            names = [names[i] for i in order.tolist()]
+            steps, starts, ends = steps[order], starts[order], ends[order]
         return list(map(Span, names, steps.tolist(), starts.tolist(), ends.tolist()))
 
 

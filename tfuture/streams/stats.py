@@ -63,7 +63,7 @@ class RunStats:
 
     @property
     def host_spans(self) -> list[Span]:
-        """Host phases (schedule, launch, wait, process, ...), in recording order."""
+        """Host phases (schedule, launch, wait, process, ...), in start order."""
         if isinstance(self._host, SpanLog):
             self._host = self._host.spans()
         return self._host
@@ -74,7 +74,7 @@ class RunStats:
 
     @property
     def device_spans(self) -> list[Span]:
-        """Forward-stream ops (prepare, forward, sample, copy, ...), in recording order."""
+        """Forward-stream ops (prepare, forward, sample, copy, ...), in start order."""
         if isinstance(self._device, SpanLog):
             self._device = self._device.spans()
         return self._device
