@@ -92,6 +92,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps", "tfuture.steps.masks", "tfuture.steps.samplers", "tfuture.steps.checks"},
     {"tfuture.steps.base"},  # the step-kind interface
     {"tfuture.steps.graphs"},  # a token step captured per bucket
+    {"tfuture.steps.token_state"},  # a token step's records
     {"tfuture.steps.token", "tfuture.steps.speculative"},
     {"tfuture.grammars.*"},
     {"tfuture.runtime"},

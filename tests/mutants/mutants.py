@@ -452,7 +452,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "token-bucket-fit",
-        "tfuture/steps/token.py",
+        "tfuture/steps/token_state.py",
         "            if b >= n:\n",
         "            if b > n:\n",
         ("tests/runtime/test_delayed_decision.py",),
