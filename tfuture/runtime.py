@@ -348,11 +348,18 @@ class OverlapRuntime:
         ops = kind.sample_ops(rec, mask)
         n = rec.n_result = kind.n_result(rec)
         staging = rec.staging = self._out_ring.acquire(n + 2, stream)
+        on_cpu = fmap.device.type == "cpu"
 
         def copy() -> None:
-            kind.copy_result(rec, staging.data[:n])
             # Not zeroed per step: a set flag raises at this step's sync, and the run's abort
             # clears it once the stream is drained (one launch less per step).
+            if on_cpu:
+                words = kind.result_tensor(rec)
+                if words is not None and words.numel() == n:
+                    # A CPU map: results and error flag in one op (a host buffer holds both).
+                    torch.cat((words, fmap.err), out=staging.data[: n + 2])
+                    return
+            kind.copy_result(rec, staging.data[:n])
             staging.data[n : n + 2].copy_(fmap.err, non_blocking=True)
 
         return [*ops, ("copy", copy)]

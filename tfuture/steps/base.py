@@ -111,6 +111,12 @@ class StepKind(ABC):
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
         """On the stream: copy the step's results into host ``dst [n_result]`` (non-blocking)."""
 
+    def result_tensor(self, rec: InFlight) -> torch.Tensor | None:
+        """On the stream: the ``[n_result]`` integer tensor that :meth:`copy_result` would copy,
+        when it is one tensor; the runtime may then copy it with the error flag in one op (a CPU
+        map). None (the default): the runtime calls :meth:`copy_result`."""
+        return None
+
     @abstractmethod
     def result(self, rec: InFlight, words: np.ndarray) -> Any:
         """On the host, after ``copy_done``: what ``scheduler.process`` gets."""

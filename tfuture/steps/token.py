@@ -23,11 +23,12 @@ from tfuture.steps.checks import check_placeholders, check_sampled
 from tfuture.steps.graphs import StepGraphs, capture, graph_run, plan_graphed
 from tfuture.steps.masks import check_logits, check_mask, check_rows, check_width, widen
 from tfuture.steps.samplers import SamplePath, sample_path
-from tfuture.steps.token_state import _NO_ROWS, Buckets, TokenInputs, TokenState, _arange
+from tfuture.steps.token_state import _ARANGE, _NO_ROWS, Buckets, TokenInputs, TokenState, _arange
 
 __all__ = ["Buckets", "TokenInputs", "TokenState", "TokenStep"]
 
 _MAX = np.maximum.reduce  # without ndarray.max()'s Python wrapper
+_ARANGE_N = _ARANGE.size  # a shorter arange is a view of the cached one (no call)
 
 
 class TokenStep(StepKind):
@@ -102,37 +103,44 @@ class TokenStep(StepKind):
     def plan_batch(self, batch: Batch) -> tuple[TokenState, TokenInputs]:
         """The host side of ``batch``: its record and its staged arrays."""
         check_placeholders(batch)
-        n_reqs, n_tok = batch.n_reqs, batch.tokens.size
-        every = count_nonzero(batch.sample) == n_reqs
-        sample_reqs = _arange(n_reqs) if every else np.flatnonzero(batch.sample)
+        seg_lens, prefix, rids, sample = batch.seg_lens, batch.prefix_lens, batch.req_ids, batch.sample
+        n_reqs, n_tok = seg_lens.size, batch.tokens.size
+        every = count_nonzero(sample) == n_reqs
+        short = n_reqs < _ARANGE_N  # arange(n_reqs + 1) is a view of the cached one
+        sample_reqs = (_ARANGE[:n_reqs] if short else _arange(n_reqs)) if every else np.flatnonzero(sample)
         n_rows, n_pad = n_tok, n_reqs
         if self.buckets is not None:
             n_rows, n_pad = Buckets.fit(self.buckets.rows, n_tok), Buckets.fit(self.buckets.reqs, n_reqs)
-        if n_tok == n_reqs == n_pad:
-            seg_starts = _arange(n_reqs + 1)  # a decode step: one token a request (seg_lens >= 1)
+        decode = n_tok == n_reqs  # one token a request (seg_lens >= 1): no sum, no max
+        if decode and n_reqs == n_pad:
+            seg_starts = _ARANGE[: n_reqs + 1] if short else _arange(n_reqs + 1)
         else:
             # Padding requests are empty segments at the end: seg_starts repeats the token count.
             seg_starts = np.full(n_pad + 1, n_tok, dtype=np.int64)
             seg_starts[0] = 0
-            np.cumsum(batch.seg_lens, out=seg_starts[1 : n_reqs + 1])
-        prefix, rids, lens = batch.prefix_lens, batch.req_ids, batch.prefix_lens + batch.seg_lens
+            np.cumsum(seg_lens, out=seg_starts[1 : n_reqs + 1])
+        lens = prefix + seg_lens
         if n_pad > n_reqs:
             pad = np.zeros(n_pad - n_reqs, dtype=np.int64)
             prefix, rids, lens = (np.concatenate([a, pad]) for a in (prefix, rids, lens))
         host = HostMeta(
-            batch.seg_lens,
+            seg_lens,
             batch.prefix_lens,
             batch.req_ids,
             sample_reqs,
             n_tok,
-            0 if not n_reqs else 1 if n_tok == n_reqs else int(_MAX(batch.seg_lens)),
+            1 if decode and n_reqs else 0 if not n_reqs else int(_MAX(seg_lens)),
         )
-        late, now, mask_rows = self._split_rows(batch, sample_reqs)
+        delayed = batch.delayed
+        if delayed.base is NOTHING_WAITS or not count_nonzero(delayed):  # nothing waits: the usual case
+            late, now, mask_rows = _NO_ROWS, sample_reqs if every else _arange(sample_reqs.size), _NO_ROWS
+        else:
+            late, now, mask_rows = self._split_rows(batch, sample_reqs)
         splan = self.path.plan(self, batch, sample_reqs)
         split = bool(late.size and now.size)
         # A decode step where every request samples, unpadded: its sampling requests are its
         # last rows (both arange(n_reqs)); prepare takes that view instead of staging a copy.
-        as_last = every and n_tok == n_reqs and self.buckets is None
+        as_last = every and decode and self.buckets is None
         inputs = TokenInputs(
             batch.tokens,
             seg_starts,
@@ -145,6 +153,7 @@ class TokenStep(StepKind):
             splan.words,
         )
         state = self.state_type(sample_reqs, host, batch.ended, n_rows, late, now, mask_rows, splan)
+        state.split = split
         return state, inputs
 
     def _split_rows(self, batch: Batch, sample_reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -229,6 +238,8 @@ class TokenStep(StepKind):
 
     def forward_ops(self, rec: InFlight) -> list[Op]:
         state = rec.state
+        if not state.ended.size and state.graph is None and not state.split:
+            return self.model_ops(rec)  # the usual step: the model alone
         ops: list[Op] = []
         if state.ended.size:
             release = getattr(self.model, "release", None)
@@ -298,19 +309,26 @@ class TokenStep(StepKind):
 
     def sample(self, rec: InFlight) -> None:
         """FORWARD STREAM: the step's (late) rows with the mask, then the sampler's record."""
-        state = rec.state
-        mask_dev = None
-        if state.mask is not None:
-            if state.unchecked is not None:
-                vocab = int(check_logits(state.logits, state.n_sample, rec.step).shape[1])
-                check_width(state.mask, vocab, rec.step)
-                check_rows(state.mask, state.unchecked, rec.step, vocab)
-            if state.mask_ready is not None:
-                torch.cuda.current_stream(state.mask.device).wait_event(state.mask_ready)
-            assert self.fmap is not None
-            mask_dev = state.mask.to(self.fmap.device, non_blocking=True)
-        self._sample_rows(rec, state.late_dev if state.split else None, mask_dev)
-        path = self.path
+        state, path = rec.state, self.path
+        if state.mask is None and not state.split:
+            # The usual step: every row at once, no mask (_sample_rows(rec, None, None) inline).
+            logits, n = state.logits, state.sample_reqs.size
+            if type(logits) is not torch.Tensor or logits.dim() != 2 or logits.shape[0] != n:
+                logits = check_logits(logits, state.n_sample, rec.step)  # raises, or a Tensor subclass
+            self._vocab = logits.shape[1]
+            state.sampled = path.sample(state.sstate, state.fwd, logits, None, None)
+        else:
+            mask_dev = None
+            if state.mask is not None:
+                if state.unchecked is not None:
+                    vocab = int(check_logits(state.logits, state.n_sample, rec.step).shape[1])
+                    check_width(state.mask, vocab, rec.step)
+                    check_rows(state.mask, state.unchecked, rec.step, vocab)
+                if state.mask_ready is not None:
+                    torch.cuda.current_stream(state.mask.device).wait_event(state.mask_ready)
+                assert self.fmap is not None
+                mask_dev = state.mask.to(self.fmap.device, non_blocking=True)
+            self._sample_rows(rec, state.late_dev if state.split else None, mask_dev)
         if path.records:
             state.clean = state.sampled.clamp(min=0)
             path.record(state.sstate, state.clean)
@@ -357,6 +375,9 @@ class TokenStep(StepKind):
 
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
         dst.copy_(rec.state.sampled, non_blocking=True)
+
+    def result_tensor(self, rec: InFlight) -> torch.Tensor | None:
+        return rec.state.sampled
 
     def result(self, rec: InFlight, words: np.ndarray) -> StepResult:
         check_sampled(words, rec.state, rec.step)

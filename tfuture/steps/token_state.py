@@ -98,12 +98,10 @@ class TokenState:
     late_dev: torch.Tensor | None = None
     now_dev: torch.Tensor | None = None
     graph: GraphBucket | None = None  # the bucket whose graph runs this step (graphs=True)
+    #: Whether some rows sample at once and others wait for the mask (``late`` and ``now`` both
+    #: non-empty), set by the plan.
+    split: bool = False
 
     @property
     def n_sample(self) -> int:
         return int(self.sample_reqs.size)
-
-    @property
-    def split(self) -> bool:
-        """Whether some rows sample at once and others wait for the mask."""
-        return bool(self.late.size and self.now.size)
