@@ -121,6 +121,7 @@ class OverlapRuntime:
         self._host_log = SpanLog()  # the host phases' spans (trace=True)
         self._open = False  # a cut run's per-request state is kept for the next run
         self._empty = torch.empty(0, dtype=torch.int64, device=fmap.device)
+        self._layouts: dict[tuple[int, ...], _Layout] = {}  # staging layouts by part sizes
 
     @property
     def model(self) -> Any:
@@ -256,8 +257,11 @@ class OverlapRuntime:
             # One host buffer and one H2D copy for all of the step's index data: the non-empty
             # parts back to back; ``cuts`` ends each one but the last (tensor_split's indices).
             parts = plan.inputs
-            sizes = [part.size for part in parts]
-            total = sum(sizes)
+            sizes = tuple([part.size for part in parts])
+            layout = self._layouts.get(sizes)
+            if layout is None:
+                layout = _layout(sizes, self._layouts)
+            total, cuts, n_live, trailing = layout
             staging = self._in_ring.acquire(total, stream)
             out = fmap.alloc(plan.n_out)
             if plan.with_out is not None:
@@ -270,23 +274,15 @@ class OverlapRuntime:
             fmap.release_live(consumes)
             raise
         batch.out, batch.step = out, self._step
-        # Every part back to back in one C call; ``cuts`` ends each non-empty part.
-        np.concatenate(parts, out=staging.array[:total], casting="unsafe")  # as a slice assignment
-        cut, cuts = 0, []
-        for size in sizes:
-            if size:
-                cut += size
-                cuts.append(cut)
-        # Empty parts get the shared empty tensor (a view costs about a microsecond each); when
-        # they all come last (the usual case) the views are the split and a tuple of them.
-        n_live = len(cuts)
-        trailing = len(sizes) - n_live if not any(sizes[n_live:]) else -1
-        if cuts:
-            cuts.pop()
+        # The non-empty parts back to back in one C call (as slice assignments); ``cuts`` ends
+        # each one but the last (tensor_split's indices).
+        if n_live:
+            live = parts[:n_live] if trailing >= 0 else [part for part in parts if part.size]
+            np.concatenate(live, out=staging.array[:total], casting="unsafe")
         rec = InFlight(self._step, batch, out, staging, plan.state)
         self._step += 1
         self._inflight.append(rec)
-        dev, make = fmap.device, type(parts)._make
+        dev, named = fmap.device, type(parts)
         empty, empties = self._empty, (self._empty,) * max(trailing, 0)
         # A CPU map copies with numpy (a fresh array the step owns: no torch dispatch).
         data: Any = staging.array[:total] if dev.type == "cpu" else staging.data[:total]
@@ -310,7 +306,8 @@ class OverlapRuntime:
             elif trailing < 0:
                 it = iter(views)
                 views = tuple(next(it) if size else empty for size in sizes)
-            kind.prepare(rec, make(views))  # the kind's named inputs, as device views
+            # The kind's named inputs, as device views (a view per field: no length check to make).
+            kind.prepare(rec, tuple.__new__(named, views))
 
         delayed = rec.delayed = plan.delayed
         ops = [("prepare", prepare), *kind.forward_ops(rec)]
@@ -357,9 +354,9 @@ class OverlapRuntime:
                 words = kind.result_tensor(rec)
                 if words is not None and words.numel() == n:
                     # A CPU map: results and error flag in one op (a host buffer holds both).
-                    torch.cat((words, fmap.err), out=staging.data[: n + 2])
+                    torch.cat((words, fmap.err), out=staging.head(n + 2))
                     return
-            kind.copy_result(rec, staging.data[:n])
+            kind.copy_result(rec, staging.head(n))
             staging.data[n : n + 2].copy_(fmap.err, non_blocking=True)
 
         return [*ops, ("copy", copy)]
@@ -420,6 +417,31 @@ class OverlapRuntime:
             self.kind.close()
         except Exception:
             pass  # the first failure is the one that re-raises
+
+
+#: A staging layout: total words, ``cuts`` (the end of each non-empty part but the last),
+#: the number of non-empty parts, and how many empty parts follow them all (-1: an empty part
+#: lies between non-empty ones).
+_Layout = tuple[int, tuple[int, ...], int, int]
+_MAX_LAYOUTS = 256
+
+
+def _layout(sizes: tuple[int, ...], cache: dict[tuple[int, ...], _Layout]) -> _Layout:
+    """The staging layout of parts of ``sizes``, kept in ``cache`` (a few shapes recur)."""
+    cut, cuts = 0, []
+    for size in sizes:
+        if size:
+            cut += size
+            cuts.append(cut)
+    n_live = len(cuts)
+    # Empty parts get the shared empty tensor (a view costs about a microsecond each); when
+    # they all come last (the usual case) the views are the split and a tuple of them.
+    trailing = len(sizes) - n_live if not any(sizes[n_live:]) else -1
+    layout = (cut, tuple(cuts[:-1]), n_live, trailing)
+    if len(cache) >= _MAX_LAYOUTS:
+        cache.clear()
+    cache[sizes] = layout
+    return layout
 
 
 def _take_consumes(batch: Any, fmap: FutureMap) -> list[FutureIndices]:

@@ -24,9 +24,23 @@ class Staging:
     data: torch.Tensor
     marker: Marker | None = None
     array: np.ndarray = field(init=False)
+    _head: torch.Tensor | None = field(init=False, default=None)
+    _head_n: int = field(init=False, default=-1)
 
     def __post_init__(self) -> None:
         self.array = self.data.numpy()
+
+    def head(self, n: int) -> torch.Tensor:
+        """``data[:n]``, the view kept while ``n`` repeats (a view costs about a microsecond)."""
+        head = self._head
+        if head is None or n != self._head_n:
+            head = self._head = self.data[:n]
+            self._head_n = n
+        return head
+
+    def replace(self, data: torch.Tensor) -> None:
+        """Take ``data`` as the buffer (a larger one): ``array`` and the kept view follow."""
+        self.data, self.array, self._head, self._head_n = data, data.numpy(), None, -1
 
 
 class StagingRing:
@@ -53,6 +67,5 @@ class StagingRing:
         if marker is not None and not marker.done:
             stream.wait(marker)
         if buf.data.numel() < n:
-            buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
-            buf.array = buf.data.numpy()
+            buf.replace(torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin))
         return buf
