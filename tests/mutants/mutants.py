@@ -351,6 +351,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "a CPU map's resolve clamps a placeholder past the map to its last slot: a wrong token, unflagged",
     ),
     Mutant(
+        "cpu-resolve-all-clamped",
+        "tfuture/kernels/cpu.py",
+        "a[:] = back[a]",
+        "a[:] = back[np.maximum(a, -back.size)]",
+        ("tests/core/test_fast_paths.py",),
+        "a CPU map's resolve of ids that are all placeholders (a decode step) clamps one past the map: a "
+        "wrong token, unflagged",
+    ),
+    Mutant(
         "map-fits-int32-max",
         "tfuture/core/future_map.py",
         "if lo < INT32_MIN or hi > INT32_MAX:",

@@ -122,8 +122,11 @@ def resolve_in_range_(a: np.ndarray, back: np.ndarray) -> bool:
     """
     if a.itemsize < back.itemsize or back.size > INT32_MAX:
         return False
-    neg = a < (_ZERO64 if a.itemsize == 8 else _ZERO32)
     try:
+        if a.size and a[a.argmax()] < 0:
+            a[:] = back[a]  # every id a placeholder (a decode step): no mask to build
+            return True
+        neg = a < (_ZERO64 if a.itemsize == 8 else _ZERO32)
         a[neg] = back[a[neg]]
     except IndexError:
         return False
