@@ -112,6 +112,7 @@ class OverlapRuntime:
         self.fmap, self.overlap, self.faults, self.trace, self.backend = fmap, overlap, faults, trace, stream
         self.delay = delay if delay is not None or faults is None else faults.delay
         pin = fmap.device.type == "cuda"
+        self._on_cpu = fmap.device.type == "cpu"  # a CPU map stages and copies with numpy
         self._in_ring = StagingRing(n_staging, pin, "inputs")
         self._out_ring = StagingRing(n_staging, pin, "outputs")
         self._stream: ForwardStream | None = None
@@ -282,10 +283,10 @@ class OverlapRuntime:
         rec = InFlight(self._step, batch, out, staging, plan.state)
         self._step += 1
         self._inflight.append(rec)
-        dev, named = fmap.device, type(parts)
+        dev, named, n_parts = fmap.device, type(parts), len(sizes)
         empty, empties = self._empty, (self._empty,) * max(trailing, 0)
         # A CPU map copies with numpy (a fresh array the step owns: no torch dispatch).
-        data: Any = staging.array[:total] if dev.type == "cpu" else staging.data[:total]
+        data: Any = staging.array[:total] if self._on_cpu else staging.data[:total]
         target = plan.target  # a graphed step's static inputs, or None: fresh memory
 
         def prepare() -> None:
@@ -306,8 +307,9 @@ class OverlapRuntime:
             elif trailing < 0:
                 it = iter(views)
                 views = tuple(next(it) if size else empty for size in sizes)
-            # The kind's named inputs, as device views (a view per field: no length check to make).
-            kind.prepare(rec, tuple.__new__(named, views))
+            if len(views) != n_parts:  # one view per part (namedtuple._make's check, inline)
+                raise AssertionError(f"staged {len(views)} views for {n_parts} parts")
+            kind.prepare(rec, tuple.__new__(named, views))  # the kind's named inputs, as device views
 
         delayed = rec.delayed = plan.delayed
         ops = [("prepare", prepare), *kind.forward_ops(rec)]
@@ -345,7 +347,7 @@ class OverlapRuntime:
         ops = kind.sample_ops(rec, mask)
         n = rec.n_result = kind.n_result(rec)
         staging = rec.staging = self._out_ring.acquire(n + 2, stream)
-        on_cpu = fmap.device.type == "cpu"
+        on_cpu = self._on_cpu
 
         def copy() -> None:
             # Not zeroed per step: a set flag raises at this step's sync, and the run's abort

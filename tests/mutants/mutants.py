@@ -601,6 +601,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "a step's staged inputs lose an empty part at their end",
     ),
     Mutant(
+        "runtime-layout-mixed-empties",
+        "tfuture/runtime.py",
+        "live = parts[:n_live] if trailing >= 0 else",
+        "live = parts[:n_live] if True else",
+        ("tests/runtime/test_sampling_runtime.py",),
+        "a step whose empty staged parts lie between non-empty ones packs the wrong parts",
+    ),
+    Mutant(
+        "staging-head-kept-after-growth",
+        "tfuture/streams/staging.py",
+        "self.data, self.array, self._head, self._head_n = data, data.numpy(), None, -1",
+        "self.data, self.array = data, data.numpy()",
+        ("tests/runtime/test_staging_ring.py",),
+        "a grown staging buffer keeps its old head view: results are copied where the host never reads",
+    ),
+    Mutant(
         "graphs-padding-into-slot-0",
         "tfuture/steps/graphs.py",
         "    dst[n:] = scratch\n",

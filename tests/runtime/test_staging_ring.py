@@ -69,3 +69,20 @@ def test_a_buffer_grows_to_at_least_what_is_asked():
         assert buf.data.numel() >= n and buf.array.size == buf.data.numel()
         buf.array[:n] = 7  # the numpy view is the same memory, large enough
         assert int(buf.data[n - 1]) == 7
+
+
+def test_a_kept_head_view_follows_a_grown_buffer():
+    """``Staging.head(n)`` keeps its view while ``n`` repeats; once the buffer grows, the view
+    is of the new memory (the result copy writes there, the host reads ``array``)."""
+    ring, stream = StagingRing(3, False, "outputs"), RecordingStream()
+    buf = ring.acquire(2, stream)
+    first = buf.head(2)
+    assert buf.head(2) is first and first.data_ptr() == buf.data.data_ptr() and first.numel() == 2
+    for _ in range(2):
+        ring.acquire(2, stream)
+    grown = ring.acquire(10 * buf.data.numel(), stream)
+    assert grown is buf
+    head = grown.head(2)
+    head.fill_(5)
+    assert head.data_ptr() == grown.data.data_ptr() and grown.array[:2].tolist() == [5, 5]
+    assert grown.head(3).numel() == 3
