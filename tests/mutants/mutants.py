@@ -301,6 +301,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "release does not mark the handle released (a second release drops references again)",
     ),
     Mutant(
+        "slots-full-keep-unreferenced",
+        "tfuture/core/slots.py",
+        "                run += _ONE\n                return FutureIndices(pool, None, start, n, False, gens)\n",
+        "                return FutureIndices(pool, None, start, n, False, gens)\n",
+        ("tests/core/test_slots.py", "tests/core/test_fast_paths.py"),
+        "a mask that keeps a whole fresh run takes no reference: releasing the step's out frees slots a "
+        "later step still names",
+    ),
+    Mutant(
         "slots-unref-run-count",
         "tfuture/core/slots.py",
         "pool._in_use -= n - int(_count_nonzero(run))",

@@ -339,6 +339,12 @@ class FutureIndices:
         start = self._start
         gens = None if self._gens is None else self._gens[idx]
         if idx.dtype is _BOOL:
+            if start >= 0 and n > 1 and _count_nonzero(idx) == n:
+                # A mask that keeps a whole fresh run (every request of a decode step samples):
+                # the new handle is that run too, one more reference on each of its slots.
+                run = pool._refs[start : start + n]
+                run += _ONE
+                return FutureIndices(pool, None, start, n, False, gens)
             if start >= 0:
                 # A mask over a fresh run: one more reference on the kept slots is the mask
                 # itself (as int64 weights: no cast in the adds), added to the run's counts.
