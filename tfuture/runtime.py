@@ -176,8 +176,7 @@ class OverlapRuntime:
             stats.wall = time.perf_counter() - t0
             if stream is not None:
                 stats.device_spans = stream.take_log()
-            stats.host_spans = self._host_log  # Spans are made when read
-            stats.account()
+            stats.host_spans = self._host_log  # Spans are made when read, the device totals too
             self.fmap.device_exec = None
             self._stream = None
             _unclaim(self.fmap)

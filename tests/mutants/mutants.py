@@ -303,7 +303,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "slots-full-keep-unreferenced",
         "tfuture/core/slots.py",
-        "                run += _ONE\n                return FutureIndices(pool, None, start, n, False, gens)\n",
+        "                run += _ONE\n"
+        "                return FutureIndices(pool, None, start, n, False, gens)\n",
         "                return FutureIndices(pool, None, start, n, False, gens)\n",
         ("tests/core/test_slots.py", "tests/core/test_fast_paths.py"),
         "a mask that keeps a whole fresh run takes no reference: releasing the step's out frees slots a "

@@ -93,3 +93,20 @@ def test_a_span_log_reads_chains_of_back_to_back_ops_in_start_order():
     stats.account()
     assert stats.device_busy == pytest.approx(3.0) and stats.device_idle == pytest.approx(1.5)
     assert stats.idle_per_step == pytest.approx({-1: 0.25, 2: 1.25})
+
+
+def test_a_runs_device_totals_follow_its_spans_when_read():
+    """A run hands its spans over unaccounted; the totals read afterwards are those of the spans
+    (as ``account()`` makes them), and new spans are accounted again when read."""
+    specs = [RequestSpec(i, 0, np.array([i + 1, 2]), 4) for i in range(3)]
+    _, stats, _, _ = run_workload(ToyModel(vocab=64, work_s=1e-3), specs, overlap=True, capacity=16, eos=-1)
+    busy, idle, per_step = stats.device_busy, stats.device_idle, dict(stats.idle_per_step)
+    assert busy == pytest.approx(sum(s.end - s.start for s in stats.device_spans)) and busy > 4e-3
+    again = RunStats("overlap", device_spans=list(stats.device_spans))
+    again.account()
+    assert (again.device_busy, again.device_idle, again.idle_per_step) == (busy, idle, per_step)
+    given = RunStats("sync", device_busy=2.0, device_idle=1.0, idle_per_step={0: 1.0})
+    assert (given.device_busy, given.device_idle, given.idle_per_step) == (2.0, 1.0, {0: 1.0})
+    given.device_spans = [Span("prepare", 0, 0.0, 1.0), Span("forward", 1, 1.5, 2.0)]
+    assert (given.device_busy, given.device_idle) == (pytest.approx(1.5), pytest.approx(0.5))
+    assert given.idle_per_step == pytest.approx({1: 0.5})

@@ -201,5 +201,4 @@ def _merge(a: RunStats | None, b: RunStats | None) -> RunStats | None:
         host_spans=a.host_spans + b.host_spans,
         device_spans=a.device_spans + b.device_spans,
     )
-    out.account()
-    return out
+    return out  # its device totals are accounted from the spans when read

@@ -21,15 +21,19 @@ class RunStats:
     idle gap before step ``i``'s first op.
 
     ``host_spans`` and ``device_spans`` are lists of :class:`Span`; a run hands over the
-    :class:`SpanLog` its hot path recorded, and the Spans are made when first read.
+    :class:`SpanLog` its hot path recorded, and the Spans are made when first read. The device
+    totals (``device_busy``, ``device_idle``, ``idle_per_step``) are accounted from
+    ``device_spans`` when first read after the spans were set (:meth:`account`), so a run whose
+    stats nobody reads pays nothing for them.
     """
 
     __slots__ = (
+        "_accounted",
+        "_busy",
         "_device",
         "_host",
-        "device_busy",
-        "device_idle",
-        "idle_per_step",
+        "_idle",
+        "_per_step",
         "mode",
         "steps",
         "tokens",
@@ -49,8 +53,10 @@ class RunStats:
         device_spans: Spans | None = None,
     ) -> None:
         self.mode, self.steps, self.tokens, self.wall = mode, steps, tokens, wall
-        self.device_busy, self.device_idle = device_busy, device_idle
-        self.idle_per_step: dict[int, float] = {} if idle_per_step is None else idle_per_step
+        self._busy, self._idle = device_busy, device_idle
+        self._per_step: dict[int, float] = {} if idle_per_step is None else idle_per_step
+        # Totals given here stand while no spans are: given spans are accounted when read.
+        self._accounted = device_spans is None
         self._host: Spans = [] if host_spans is None else host_spans
         self._device: Spans = [] if device_spans is None else device_spans
 
@@ -82,6 +88,40 @@ class RunStats:
     @device_spans.setter
     def device_spans(self, spans: Spans) -> None:
         self._device = spans
+        self._accounted = False  # the totals follow the spans, accounted when read
+
+    @property
+    def device_busy(self) -> float:
+        """Sum of the forward-stream ops' times."""
+        if not self._accounted:
+            self.account()
+        return self._busy
+
+    @device_busy.setter
+    def device_busy(self, value: float) -> None:
+        self._busy = value
+
+    @property
+    def device_idle(self) -> float:
+        """Idle time of the forward stream between its first and last op."""
+        if not self._accounted:
+            self.account()
+        return self._idle
+
+    @device_idle.setter
+    def device_idle(self, value: float) -> None:
+        self._idle = value
+
+    @property
+    def idle_per_step(self) -> dict[int, float]:
+        """Step -> the idle gap(s) before that step's ops."""
+        if not self._accounted:
+            self.account()
+        return self._per_step
+
+    @idle_per_step.setter
+    def idle_per_step(self, value: dict[int, float]) -> None:
+        self._per_step = value
 
     @property
     def step_time(self) -> float:
@@ -113,10 +153,14 @@ class RunStats:
         if starts.size > 1:
             gaps = starts[1:] - np.maximum.accumulate(ends)[:-1]
             late = gaps > 0
-            for step, gap in zip(steps[1:][late].tolist(), gaps[late].tolist(), strict=True):
-                per_step[int(step)] = per_step.get(int(step), 0.0) + gap
-                idle += gap
-        self.device_busy, self.device_idle, self.idle_per_step = float((ends - starts).sum()), idle, per_step
+            gaps = gaps[late]
+            if gaps.size:
+                # Each step's gaps summed at once (a step may have several): no loop per span.
+                owners, which = np.unique(steps[1:][late].astype(np.int64), return_inverse=True)
+                per_step = dict(zip(owners.tolist(), np.bincount(which, weights=gaps).tolist(), strict=True))
+                idle = float(gaps.sum())
+        self._busy, self._idle, self._per_step = float((ends - starts).sum()), idle, per_step
+        self._accounted = True
 
     def summary(self) -> str:
         return (
