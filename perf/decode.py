@@ -163,8 +163,9 @@ class HandLoop:
 
     Per step, on the host: the tokens (the placeholders of the last unread step's ``out``,
     filtered as :class:`DecodeScheduler` does, or the concrete tokens last read), ``alloc``, the
-    step's index data written into a reusable staging buffer. On the stream, as one unit of
-    work: one H2D copy, the decode step's prepare as the runtime does it (``launch_resolve`` of
+    step's index data written into a reusable staging buffer (on a CPU map, as the runtime
+    stages, into a fresh array the step owns: no copy). On the stream, as one unit of work: one
+    H2D copy (none on a CPU map), the decode step's prepare as the runtime does it (``launch_resolve`` of
     the tokens in place; positions and last rows are views of the staged data), the model's
     ``forward`` and ``sample``, ``store``, the D2H copy of tokens and error flag. The consumed
     handle is released once that is enqueued. The step is read (wait, check the flag, release
@@ -216,6 +217,7 @@ class HandLoop:
 
     def run(self, steps: int) -> None:
         fmap, n, keep, ins = self.fmap, self.n, self.keep, self.in_arrays
+        on_cpu = fmap.device.type == "cpu"
         positions, tokens = np.full(n, 3, dtype=np.int64), np.arange(1, n + 1, dtype=np.int64)
         worker = _Worker() if self.stream == "worker" else None
         cuda = torch.cuda.Stream(device=self.device) if self.stream == "cuda" else None
@@ -237,14 +239,15 @@ class HandLoop:
                     batch = Batch(ids, self.ones, positions.copy(), self.req_ids, keep, consumes=consumes)
                 out = fmap.alloc(n)
                 k = step % self.N_STAGING
-                a = ins[k]
+                # As the runtime stages: a CPU map's step gets a fresh array (no staging copy).
+                a = np.empty(6 * n + 1, dtype=np.int64) if on_cpu else ins[k]
                 a[:n] = ids
                 a[n : 2 * n + 1] = self.seg_starts
                 a[2 * n + 1 : 3 * n + 1] = positions
                 a[3 * n + 1 : 4 * n + 1] = self.req_ids
                 np.add(positions, 1, out=a[4 * n + 1 : 5 * n + 1])
                 a[5 * n + 1 :] = self.req_ids
-                ops = self._ops(step, k, out, timings)
+                ops = self._ops(step, k, out, timings, a)
                 if worker is not None:
                     marker: Any = worker.submit(ops)
                 elif cuda is not None:
@@ -274,17 +277,23 @@ class HandLoop:
         self.model_s += [start.elapsed_time(end) / 1e3 for start, end in timings]
 
     def _ops(
-        self, step: int, k: int, out: Any, timings: list[tuple[torch.cuda.Event, torch.cuda.Event]]
+        self,
+        step: int,
+        k: int,
+        out: Any,
+        timings: list[tuple[torch.cuda.Event, torch.cuda.Event]],
+        staged: np.ndarray,
     ) -> Callable[[], None]:
-        """The step's work on the stream, one closure, staged in buffer ``k`` of each ring."""
+        """The step's work on the stream, one closure, staged in buffer ``k`` of each ring (a
+        CPU map: in ``staged``, the step's own array)."""
         fmap, model, n, dev, split = self.fmap, self.model, self.n, self.device, self.split
-        host_in, host_out, host_array = self.staging_in[k], self.staging_out[k], self.in_arrays[k]
+        host_in, host_out = self.staging_in[k], self.staging_out[k]
         on_cpu = fmap.device.type == "cpu"
 
         def ops() -> None:
-            # As the runtime copies: numpy for a CPU map, else one H2D copy.
+            # As the runtime stages: the step's own array for a CPU map, else one H2D copy.
             if on_cpu:
-                dev_in = torch.from_numpy(host_array.copy())
+                dev_in = torch.from_numpy(staged)
             else:
                 dev_in = host_in.to(dev, non_blocking=True, copy=True)
             ids, seg, prefix, rids, lens, sreq = torch.tensor_split(dev_in, split)

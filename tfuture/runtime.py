@@ -262,7 +262,8 @@ class OverlapRuntime:
             if layout is None:
                 layout = _layout(sizes, self._layouts)
             total, cuts, n_live, trailing = layout
-            staging = self._in_ring.acquire(total, stream)
+            # A CPU map needs no host staging buffer: its step gets fresh memory at once (below).
+            staging = None if self._on_cpu else self._in_ring.acquire(total, stream)
             out = fmap.alloc(plan.n_out)
             if plan.with_out is not None:
                 plan.with_out(out)
@@ -275,21 +276,25 @@ class OverlapRuntime:
             raise
         batch.out, batch.step = out, self._step
         # The non-empty parts back to back in one C call (as slice assignments); ``cuts`` ends
-        # each one but the last (tensor_split's indices).
-        if n_live:
-            live = parts[:n_live] if trailing >= 0 else [part for part in parts if part.size]
-            np.concatenate(live, out=staging.array[:total], casting="unsafe")
+        # each one but the last (tensor_split's indices). On a CPU map that is a fresh int64
+        # array the step owns (no torch dispatch); else the staging buffer, copied on the stream.
+        live = parts[:n_live] if trailing >= 0 else [part for part in parts if part.size]
+        data: Any
+        if staging is None:
+            data = np.concatenate(live, dtype=np.int64, casting="unsafe") if n_live else np.empty(0, np.int64)
+        else:
+            if n_live:
+                np.concatenate(live, out=staging.array[:total], casting="unsafe")
+            data = staging.data[:total]
         rec = InFlight(self._step, batch, out, staging, plan.state)
         self._step += 1
         self._inflight.append(rec)
         dev, named, n_parts = fmap.device, type(parts), len(sizes)
         empty, empties = self._empty, (self._empty,) * max(trailing, 0)
-        # A CPU map copies with numpy (a fresh array the step owns: no torch dispatch).
-        data: Any = staging.array[:total] if self._on_cpu else staging.data[:total]
         target = plan.target  # a graphed step's static inputs, or None: fresh memory
 
         def prepare() -> None:
-            # A real copy on every backend: the step must not alias the reusable host buffer.
+            # Fresh memory on every backend: the step must not alias a reusable host buffer.
             if target is not None:
                 dev_in = target
                 if type(data) is np.ndarray:
@@ -297,7 +302,7 @@ class OverlapRuntime:
                 else:
                     target.copy_(data, non_blocking=True)
             elif type(data) is np.ndarray:
-                dev_in = torch.from_numpy(data.copy())
+                dev_in = torch.from_numpy(data)  # made for this step alone, at launch
             else:
                 dev_in = data.to(dev, non_blocking=True, copy=True)
             views = torch.tensor_split(dev_in, cuts) if cuts else (dev_in,) if n_live else ()
@@ -316,7 +321,9 @@ class OverlapRuntime:
             ops += self._sample_ops(rec, None)
         # The whole step (or its head, when delayed) goes to the stream as one unit of work.
         stream.submit_ops(rec.step, ops)
-        staging.marker = marker = stream.record()
+        marker = stream.record()
+        if staging is not None:
+            staging.marker = marker
         if not delayed:
             rec.copy_done = rec.staging.marker = marker  # type: ignore[union-attr]
         # The prepare that reads these placeholders is enqueued: stream order protects them.

@@ -60,7 +60,7 @@ class InFlight:
     step: int
     batch: Any
     out: FutureIndices
-    inputs: Staging
+    inputs: Staging | None  # the input staging buffer (None on a CPU map: it stages none)
     state: Any
     staging: Staging | None = None
     copy_done: Marker | None = None
