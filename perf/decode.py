@@ -206,7 +206,7 @@ class HandLoop:
         self.fmap = FutureMap(4 * n + 64, device=device)
         self.keep = np.ones(n, dtype=bool)
         self.seg_starts, self.req_ids = np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64)
-        # tokens, seg_starts, prefix_lens, req_ids, seq_lens, last_rows (= sample_reqs = arange)
+        # tokens, seg_starts, prefix_lens, req_ids, seq_lens, sample_reqs
         self.split = np.cumsum([n, n + 1, n, n, n]).tolist()
         pin = stream == "cuda"
         ring = range(self.N_STAGING)
@@ -246,7 +246,7 @@ class HandLoop:
                 a[2 * n + 1 : 3 * n + 1] = positions
                 a[3 * n + 1 : 4 * n + 1] = self.req_ids
                 np.add(positions, 1, out=a[4 * n + 1 : 5 * n + 1])
-                a[5 * n + 1 :] = self.seg_starts[:-1]  # last rows: arange(n), staged as the runtime does
+                a[5 * n + 1 :] = self.req_ids
                 ops = self._ops(step, k, out, timings, a)
                 if worker is not None:
                     marker: Any = worker.submit(ops)
@@ -296,9 +296,10 @@ class HandLoop:
                 dev_in = torch.from_numpy(staged)
             else:
                 dev_in = host_in.to(dev, non_blocking=True, copy=True)
-            ids, seg, prefix, rids, lens, last = torch.tensor_split(dev_in, split)
+            ids, seg, prefix, rids, lens, sreq = torch.tensor_split(dev_in, split)
             # A decode step, as the runtime prepares one: resolve in place, the rest are views.
-            fb = ForwardBatch(step, fmap.launch_resolve(ids), prefix, last, rids, lens, last, last, seg)
+            last = seg[:-1]
+            fb = ForwardBatch(step, fmap.launch_resolve(ids), prefix, last, rids, lens, sreq, last)
             if not self.time_model:
                 sampled = model.sample(model.forward(fb), fb, None)
             elif self.stream == "cuda":

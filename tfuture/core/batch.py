@@ -242,8 +242,8 @@ class ForwardBatch(NamedTuple):
     and ``host``, the :class:`HostMeta` mirrors.
 
     The tensors may share memory: in a decode step ``last_rows``, ``sample_rows`` and
-    ``sample_reqs`` are one tensor (the staged last rows), and ``positions`` a view of the
-    staged prefix lengths. Read them; never write them in place.
+    ``sample_reqs`` are one view of ``seg_starts``, and ``positions`` a view of the staged
+    prefix lengths. Read them; never write them in place.
     """
 
     step: int

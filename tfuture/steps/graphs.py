@@ -56,9 +56,8 @@ class GraphCaptureError(RuntimeError):
 
 def layout(rows: int, reqs: int) -> list[int]:
     """Words per staged part of a graphed step, in ``TokenInputs`` order: tokens, seg_starts,
-    prefix_lens, req_ids, seq_lens, last_rows (empty: a padded step), sample_reqs, late, now,
-    sampler_words, store_slots."""
-    return [rows, reqs + 1, reqs, reqs, reqs, 0, reqs, 0, 0, 0, reqs]
+    prefix_lens, req_ids, seq_lens, sample_reqs, late, now, sampler_words, store_slots."""
+    return [rows, reqs + 1, reqs, reqs, reqs, reqs, 0, 0, 0, reqs]
 
 
 @dataclass(eq=False)
@@ -188,7 +187,7 @@ def graph_run(
     of the tokens (a -1 of a row without a valid token read as 0) into the staged slots. Returns
     the ``[reqs]`` sampled tokens. ``step`` and ``host`` are the first step's: a graph-safe model
     does not read them."""
-    tokens, seg, prefix, rids, lens, _, sample_reqs, _, _, words, slots = bucket.views
+    tokens, seg, prefix, rids, lens, sample_reqs, _, _, words, slots = bucket.views
     plan = greedy_plan(bucket.reqs, step)
     out = PreparedInputs(*bucket.prepared)
 

@@ -138,18 +138,16 @@ class TokenStep(StepKind):
             late, now, mask_rows = self._split_rows(batch, sample_reqs)
         splan = self.path.plan(self, batch, sample_reqs)
         split = bool(late.size and now.size)
-        # An unpadded decode step stages its last rows, arange(n_reqs), as their own part; when
-        # every request samples, its sampling requests are those rows too (no second part).
-        lean = decode and self.buckets is None
-        last_rows = (_ARANGE[:n_reqs] if short else _arange(n_reqs)) if lean else _NO_ROWS
+        # A decode step where every request samples, unpadded: its sampling requests are its
+        # last rows (both arange(n_reqs)); prepare takes that view instead of staging a copy.
+        as_last = every and decode and self.buckets is None
         inputs = TokenInputs(
             batch.tokens,
             seg_starts,
             prefix,
             rids,
             lens,
-            last_rows,
-            _NO_ROWS if every and lean else sample_reqs,
+            _NO_ROWS if as_last else sample_reqs,
             late if split else _NO_ROWS,
             now if split else _NO_ROWS,
             splan.words,
@@ -185,8 +183,12 @@ class TokenStep(StepKind):
         if self.buckets is None and host.max_seg_len <= 1:
             # A decode step (one token a request, unpadded): the inputs are the staged arrays
             # themselves, fresh device memory each step. The tokens resolve in place, a position
-            # is the prefix length, and request q's last row is q (the staged last rows).
-            ids, positions, last = fmap.launch_resolve(inputs.tokens), inputs.prefix_lens, inputs.last_rows
+            # is the prefix length, and request q's last row is q (seg_starts[q]).
+            ids, positions, last = (
+                fmap.launch_resolve(inputs.tokens),
+                inputs.prefix_lens,
+                inputs.seg_starts[:-1],
+            )
             n_reqs = host.seg_lens.size
         else:
             ids, positions, last = self._prepare_rows(state, inputs)

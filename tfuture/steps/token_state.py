@@ -55,11 +55,9 @@ class TokenInputs(NamedTuple):
     views (one H2D copy, split) in :meth:`TokenStep.prepare`.
 
     ``tokens [n_tokens]``, ``seg_starts [n_pad + 1]``, ``prefix_lens``, ``req_ids``,
-    ``seq_lens [n_pad]`` (padded to the bucket), ``last_rows [n_reqs]`` (a decode step's last
-    rows, ``arange(n_reqs)``, staged as their own part: no slice of ``seg_starts`` on the
-    stream; else empty), ``sample_reqs [n_sample]``, ``late``/``now`` (sampling rows that wait
-    for the mask / sample at once, when a step splits them; else empty) and ``sampler_words``
-    (the sampler plan's words).
+    ``seq_lens [n_pad]`` (padded to the bucket), ``sample_reqs [n_sample]``, ``late``/``now``
+    (sampling rows that wait for the mask / sample at once, when a step splits them; else
+    empty) and ``sampler_words`` (the sampler plan's words).
     """
 
     tokens: Any
@@ -67,7 +65,6 @@ class TokenInputs(NamedTuple):
     prefix_lens: Any
     req_ids: Any
     seq_lens: Any
-    last_rows: Any
     sample_reqs: Any
     late: Any
     now: Any
