@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tfuture.core.checks import count_nonzero as _count_nonzero
 from tfuture.kernels._common import INT32_MAX, INT32_MIN, Slots, narrows, search_steps
 from tfuture.kernels._field_layout import as_words
 
@@ -122,12 +123,12 @@ def resolve_in_range_(a: np.ndarray, back: np.ndarray) -> bool:
     """
     if a.itemsize < back.itemsize or back.size > INT32_MAX:
         return False
+    neg = a < (_ZERO64 if a.itemsize == 8 else _ZERO32)
     try:
-        if a.size and a[a.argmax()] < 0:
-            a[:] = back[a]  # every id a placeholder (a decode step): no mask to build
-            return True
-        neg = a < (_ZERO64 if a.itemsize == 8 else _ZERO32)
-        a[neg] = back[a[neg]]
+        if _count_nonzero(neg) == a.size:
+            a[:] = back[a]  # every id a placeholder (a decode step): no masked gather or write
+        else:
+            a[neg] = back[a[neg]]
     except IndexError:
         return False
     return True
