@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import tfuture.core.future_map
+import tfuture.runtime
 from tfuture.core.slots import FutureIndices
 from tfuture.runtime import OverlapRuntime
 from tfuture.streams.staging import Staging, StagingRing
@@ -72,11 +73,33 @@ def _ring_without_wait(ring_name: str, real: Callable[..., Staging]) -> Callable
             return real(self, n, stream)
         buf = self._bufs[0]
         if buf.data.numel() < n:
-            buf.data = torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin)
-            buf.array = buf.data.numpy()
+            buf.replace(torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin))
         return buf
 
     return acquire
+
+
+class _SharedStagingNumpy:
+    """numpy as ``tfuture.runtime`` sees it, but a CPU map's staged words (``concatenate``
+    without ``out``: the step's own fresh array) land in one array shared by every step: the
+    host overwrites a step's inputs before the stream read them (the CPU twin of an input
+    staging buffer reused before its copy ran)."""
+
+    def __init__(self) -> None:
+        self._shared = np.zeros(64, dtype=np.int64)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+    def concatenate(self, arrays: Any, out: Any = None, **kw: Any) -> np.ndarray:
+        if out is not None:
+            return np.concatenate(arrays, out=out, **kw)
+        fresh = np.concatenate(arrays, **kw)
+        if self._shared.size < fresh.size:
+            self._shared = np.zeros(2 * fresh.size, dtype=np.int64)
+        view = self._shared[: fresh.size]
+        view[:] = fresh
+        return view
 
 
 def _late_delayed_sample(stack: ExitStack) -> None:
@@ -145,6 +168,9 @@ def plant(*names: str) -> Iterator[None]:
                 ring = "inputs" if name == "no_input_keepalive" else "outputs"
                 real_acquire = StagingRing.acquire
                 patch(mock.patch.object(StagingRing, "acquire", _ring_without_wait(ring, real_acquire)))
+                if name == "no_input_keepalive":
+                    # A CPU map stages no input buffer: its steps' fresh arrays become one.
+                    patch(mock.patch.object(tfuture.runtime, "np", _SharedStagingNumpy()))
             else:
                 _late_delayed_sample(stack)
         yield

@@ -58,7 +58,8 @@ class OverlapRuntime:
             scheduler from outside the loop, such as :class:`tfuture.testing.faults.FaultPlan`
             (delays, gc, exceptions); its ``delay`` is used when ``delay`` is not given.
         trace: record per-op spans for bubble accounting and the Chrome trace.
-        n_staging: host staging buffers per direction (at least 3: two steps in flight).
+        n_staging: host staging buffers per direction (at least 3: two steps in flight); a CPU
+            map stages a step's inputs in a fresh array instead and rings its outputs only.
         buckets: pad every token step to these shapes (:class:`tfuture.steps.token.Buckets`),
             so a model can capture one CUDA graph per bucket; for a plain model only.
         sampler: a :class:`tfuture.sampling.Sampler` that samples every token step (per-request
