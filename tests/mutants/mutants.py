@@ -619,6 +619,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a step whose empty staged parts lie between non-empty ones packs the wrong parts",
     ),
     Mutant(
+        "runtime-ring-never-packed",
+        "tfuture/runtime.py",
+        'np.concatenate(live, out=staging.array[:total], casting="unsafe")',
+        "pass",
+        ("tests/runtime/test_staging_ring.py",),
+        "a CUDA map's step never packs its index data into the staging buffer: it reads an old step's",
+    ),
+    Mutant(
         "staging-head-kept-after-growth",
         "tfuture/streams/staging.py",
         "self.data, self.array, self._head, self._head_n = data, data.numpy(), None, -1",

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from tfuture import FutureMap
+from tfuture.runtime import OverlapRuntime
 from tfuture.streams.base import Marker
 from tfuture.streams.staging import StagingRing
+from tfuture.testing import ContinuousBatcher, ToyModel, random_workload
 
 
 class RecordingStream:
@@ -86,3 +91,26 @@ def test_a_kept_head_view_follows_a_grown_buffer():
     head.fill_(5)
     assert head.data_ptr() == grown.data.data_ptr() and grown.array[:2].tolist() == [5, 5]
     assert grown.head(3).numel() == 3
+
+
+def _outputs(staged_like_cuda: bool, overlap: bool, stream: str) -> dict[int, list[int]]:
+    fmap = FutureMap(48, device="cpu")
+    sched = ContinuousBatcher(random_workload(7, 12, vocab=64, max_new=9), fmap, max_running=5)
+    delay = (lambda name: 2e-4 if name in ("prepare", "copy") else 0.0) if stream == "worker" else None
+    rt = OverlapRuntime(ToyModel(vocab=64), fmap, overlap=overlap, stream=stream, delay=delay)
+    # Test-only: the staging a CUDA map takes (pinned-ring stand-ins, the input copy on the
+    # stream, two result copies), on a CPU map, whose own path stages in fresh arrays.
+    rt._on_cpu = not staged_like_cuda
+    rt.run(sched)
+    assert fmap.in_use == 0
+    return sched.outputs
+
+
+@pytest.mark.parametrize("stream", ["worker", "inline"])
+def test_the_cuda_staging_path_gives_the_cpu_paths_tokens(stream):
+    """The input ring (acquire, pack, copy on the stream) and the two result copies are what a
+    CUDA map runs; on a CPU map they must give the tokens of its own path, under overlap with a
+    slow stream too (the ring waits for each buffer's last copy)."""
+    want = _outputs(False, overlap=False, stream="inline")
+    assert _outputs(True, overlap=True, stream=stream) == want
+    assert _outputs(True, overlap=False, stream=stream) == want
