@@ -123,6 +123,7 @@ class OverlapRuntime:
         self._host_log = SpanLog()  # the host phases' spans (trace=True)
         self._open = False  # a cut run's per-request state is kept for the next run
         self._empty = torch.empty(0, dtype=torch.int64, device=fmap.device)
+        self._mark = 0.0  # traced: the last launch's end (the next wait's start)
         self._layouts: dict[tuple[int, ...], _Layout] = {}  # staging layouts by part sizes
 
     @property
@@ -194,9 +195,11 @@ class OverlapRuntime:
         True when ``max_steps`` stopped it (the scheduler may still have work)."""
         prev: InFlight | None = None
         cut = False
-        # Host phases are traced inline (a span is two clock reads and two appends): a failed
-        # phase's span is never read, since the run raises and its stats are dropped.
+        # Host phases are traced inline, a clock read where one phase ends and the next starts
+        # (schedule -> launch -> wait): a failed phase's span is never read, since the run
+        # raises and its stats are dropped.
         trace, clock, log = self.trace, time.perf_counter, self._host_log
+        start = mark = 0.0
         while True:
             if max_steps is not None and stats.steps >= max_steps:
                 cut = True
@@ -204,24 +207,26 @@ class OverlapRuntime:
             if trace:
                 start = clock()
                 batch = scheduler.schedule()
-                log.items.extend(("schedule", self._step, start, clock()))
+                mark = clock()  # the schedule's end; the launch's start
             else:
                 batch = scheduler.schedule()
             if batch is None:
+                if trace:
+                    log.items.extend(("schedule", self._step, start, mark))
                 if prev is None:
                     break
                 self._finish(prev, scheduler, stats)
                 prev = None
                 continue
-            cur = self._launch(batch)
+            cur = self._launch(batch, start, mark)  # traced: both spans, and _mark its end
             stats.steps += 1
             if prev is not None:
-                self._finish(prev, scheduler, stats)
+                self._finish(prev, scheduler, stats, self._mark)
             if cur.delayed:
                 self._delayed_sample(scheduler, cur)
             prev = cur
             if not self.overlap:
-                self._finish(cur, scheduler, stats)
+                self._finish(cur, scheduler, stats, None if cur.delayed else self._mark)
                 prev = None
         if prev is not None:
             self._finish(prev, scheduler, stats)
@@ -242,9 +247,10 @@ class OverlapRuntime:
         finally:
             self._host_log.add(name, step, start, time.perf_counter())  # rare phases only
 
-    def _launch(self, batch: Any) -> InFlight:
-        """Enqueue prepare and the forward ops (and the sample unless delayed); no host sync."""
-        start = time.perf_counter() if self.trace else 0.0
+    def _launch(self, batch: Any, scheduled: float = 0.0, start: float = 0.0) -> InFlight:
+        """Enqueue prepare and the forward ops (and the sample unless delayed); no host sync.
+        Traced: the spans of the schedule (from ``scheduled``) and of the launch (from ``start``,
+        the schedule's end); ``_mark`` gets the launch's end."""
         stream, fmap, kind = self._stream, self.fmap, self.kind
         assert stream is not None
         consumes = _take_consumes(batch, fmap)
@@ -333,7 +339,9 @@ class OverlapRuntime:
         if self._deferred:
             fmap.release_live(self._deferred)
         if self.trace:
-            self._host_log.items.extend(("launch", rec.step, start, time.perf_counter()))
+            self._mark = end = time.perf_counter()
+            step = rec.step
+            self._host_log.items.extend(("schedule", step, scheduled, start, "launch", step, start, end))
         return rec
 
     def _launch_sample(self, rec: InFlight, mask: object) -> None:
@@ -370,16 +378,20 @@ class OverlapRuntime:
 
         return [*ops, ("copy", copy)]
 
-    def _finish(self, rec: InFlight, scheduler: Scheduler, stats: RunStats) -> None:
-        """Wait for ``rec``'s copy, check the error flag, hand the result to the scheduler."""
+    def _finish(
+        self, rec: InFlight, scheduler: Scheduler, stats: RunStats, start: float | None = None
+    ) -> None:
+        """Wait for ``rec``'s copy, check the error flag, hand the result to the scheduler.
+        Traced: the wait's span starts at ``start`` (the launch's end, when this follows it)."""
         stream, kind, fmap = self._stream, self.kind, self.fmap
         assert stream is not None and rec.copy_done is not None and rec.staging is not None
         marker, n, trace = rec.copy_done, rec.n_result, self.trace
         if trace:
             log, clock = self._host_log, time.perf_counter
-            start = clock()
+            if start is None:
+                start = clock()
             stream.wait(marker)
-            log.items.extend(("wait", rec.step, start, clock()))
+            waited = clock()
         else:
             stream.wait(marker)
         words = rec.staging.array[: n + 2].copy()
@@ -392,9 +404,9 @@ class OverlapRuntime:
         try:
             # The handle lives through process(), so the scheduler can still filter it.
             if trace:
-                start = clock()
+                began = clock()
                 scheduler.process(result)
-                log.items.extend(("process", rec.step, start, clock()))
+                log.items.extend(("wait", rec.step, start, waited, "process", rec.step, began, clock()))
             else:
                 scheduler.process(result)
         except BaseException:
