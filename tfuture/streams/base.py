@@ -199,11 +199,10 @@ class ForwardStream(ABC):
             if self.trace:  # a span per op; ops run back to back: an op ends where the next starts
                 log, clock = self.log, time.perf_counter
                 links = log.links
-                record = links.extend
                 log.chains.extend((step, clock(), len(links)))
                 for name, fn in ops:
                     fn()
-                    record((name, clock()))
+                    links += (name, clock())  # list +=: an extend without a method call
             else:
                 for name, fn in ops:  # noqa: B007 - the failing op's name is read below
                     fn()
