@@ -1,9 +1,9 @@
 """Host staging buffers for the runtime's copies, reused only after the copy that used them.
 
 A step packs its index data into an input buffer that the forward stream copies to the
-device (on CUDA: a CPU map's step gets a fresh array instead, no buffer to reuse), and gets
-its sampled tokens back into an output buffer. On CUDA both are pinned, so
-the copies are truly asynchronous, and that makes reuse dangerous: a buffer is handed out
+device (a CPU map's step gets a fresh array instead: no buffer to reuse), and gets its
+sampled tokens back into an output buffer. On CUDA both are pinned, so the copies are truly
+asynchronous, and that makes reuse dangerous: a buffer is handed out
 again only after the stream passed the marker recorded after the copy that last used it.
 """
 
