@@ -112,11 +112,12 @@ def _late_delayed_sample(stack: ExitStack) -> None:
         if late is not None:
             real_sample(self, scheduler, late)
 
-    def finish(self: OverlapRuntime, rec: Any, scheduler: Any, stats: Any) -> None:
+    def finish(self: OverlapRuntime, rec: Any, scheduler: Any, stats: Any, start: Any = None) -> None:
         if self.__dict__.get("_late") is rec:
             self.__dict__["_late"] = None
             real_sample(self, scheduler, rec)
-        real_finish(self, rec, scheduler, stats)
+            start = None  # the wait no longer follows the launch
+        real_finish(self, rec, scheduler, stats, start)
 
     stack.enter_context(mock.patch.object(OverlapRuntime, "_delayed_sample", delayed_sample))
     stack.enter_context(mock.patch.object(OverlapRuntime, "_finish", finish))

@@ -397,10 +397,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "runtime-delayed-sample-before-process",
         "tfuture/runtime.py",
-        "            if prev is not None:\n                self._finish(prev, scheduler, stats)\n"
+        "            if prev is not None:\n                self._finish(prev, scheduler, stats, self._mark)\n"
         "            if cur.delayed:\n                self._delayed_sample(scheduler, cur)\n",
         "            if cur.delayed:\n                self._delayed_sample(scheduler, cur)\n"
-        "            if prev is not None:\n                self._finish(prev, scheduler, stats)\n",
+        "            if prev is not None:\n"
+        "                self._finish(prev, scheduler, stats, self._mark)\n",
         ("tests/runtime/test_runtime.py::test_grammar_obeyed_under_overlap_with_delays",),
         "a delayed step's mask is built before the previous step was processed",
     ),
