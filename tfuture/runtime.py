@@ -29,7 +29,7 @@ from tfuture.steps.base import InFlight, Op, StepKind
 from tfuture.steps.token import Buckets, TokenStep
 from tfuture.streams.backends import BACKENDS, Delay, ForwardStream, drain_and_close, make_stream
 from tfuture.streams.base import RunWrapper, SpanLog
-from tfuture.streams.staging import StagingRing
+from tfuture.streams.staging import Layout, StagingRing, staging_layout
 from tfuture.streams.stats import RunStats
 
 __all__ = ["OverlapRuntime"]
@@ -124,7 +124,7 @@ class OverlapRuntime:
         self._open = False  # a cut run's per-request state is kept for the next run
         self._empty = torch.empty(0, dtype=torch.int64, device=fmap.device)
         self._mark = 0.0  # traced: the last launch's end (the next wait's start)
-        self._layouts: dict[tuple[int, ...], _Layout] = {}  # staging layouts by part sizes
+        self._layouts: dict[tuple[int, ...], Layout] = {}  # staging layouts by part sizes
 
     @property
     def model(self) -> Any:
@@ -267,7 +267,7 @@ class OverlapRuntime:
             sizes = tuple([part.size for part in parts])
             layout = self._layouts.get(sizes)
             if layout is None:
-                layout = _layout(sizes, self._layouts)
+                layout = staging_layout(sizes, self._layouts)
             total, cuts, n_live, trailing = layout
             # A CPU map needs no host staging buffer: its step gets fresh memory at once (below).
             staging = None if self._on_cpu else self._in_ring.acquire(total, stream)
@@ -438,31 +438,6 @@ class OverlapRuntime:
             self.kind.close()
         except Exception:
             pass  # the first failure is the one that re-raises
-
-
-#: A staging layout: total words, ``cuts`` (the end of each non-empty part but the last),
-#: the number of non-empty parts, and how many empty parts follow them all (-1: an empty part
-#: lies between non-empty ones).
-_Layout = tuple[int, tuple[int, ...], int, int]
-_MAX_LAYOUTS = 256
-
-
-def _layout(sizes: tuple[int, ...], cache: dict[tuple[int, ...], _Layout]) -> _Layout:
-    """The staging layout of parts of ``sizes``, kept in ``cache`` (a few shapes recur)."""
-    cut, cuts = 0, []
-    for size in sizes:
-        if size:
-            cut += size
-            cuts.append(cut)
-    n_live = len(cuts)
-    # Empty parts get the shared empty tensor (a view costs about a microsecond each); when
-    # they all come last (the usual case) the views are the split and a tuple of them.
-    trailing = len(sizes) - n_live if not any(sizes[n_live:]) else -1
-    layout = (cut, tuple(cuts[:-1]), n_live, trailing)
-    if len(cache) >= _MAX_LAYOUTS:
-        cache.clear()
-    cache[sizes] = layout
-    return layout
 
 
 def _take_consumes(batch: Any, fmap: FutureMap) -> list[FutureIndices]:

@@ -10,7 +10,7 @@ import pytest
 from tfuture import FutureMap
 from tfuture.runtime import OverlapRuntime
 from tfuture.streams.base import Marker
-from tfuture.streams.staging import StagingRing
+from tfuture.streams.staging import StagingRing, staging_layout
 from tfuture.testing import ContinuousBatcher, ToyModel, random_workload
 
 
@@ -114,3 +114,16 @@ def test_the_cuda_staging_path_gives_the_cpu_paths_tokens(stream):
     want = _outputs(False, overlap=False, stream="inline")
     assert _outputs(True, overlap=True, stream=stream) == want
     assert _outputs(True, overlap=False, stream=stream) == want
+
+
+def test_staging_layouts_pack_the_non_empty_parts_and_are_cached():
+    cache: dict = {}
+    # total words, cuts (each non-empty part's end but the last), non-empty parts, trailing empties
+    assert staging_layout((3, 4, 0, 0), cache) == (7, (3,), 2, 2)
+    assert staging_layout((3, 0, 4), cache) == (7, (3,), 2, -1)  # an empty part between two
+    assert staging_layout((0, 0), cache) == (0, (), 0, 2)
+    assert staging_layout((5,), cache) == (5, (), 1, 0)
+    assert cache[(3, 0, 4)] == (7, (3,), 2, -1) and len(cache) == 4
+    for n in range(1, 300):
+        staging_layout((n, 1), cache)
+    assert 1 <= len(cache) <= 256  # bounded: cleared when full

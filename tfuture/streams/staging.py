@@ -70,3 +70,30 @@ class StagingRing:
         if buf.data.numel() < n:
             buf.replace(torch.zeros(max(n, 2 * buf.data.numel()), dtype=torch.int64, pin_memory=self.pin))
         return buf
+
+
+#: A staging layout: total words, ``cuts`` (the end of each non-empty part but the last),
+#: the number of non-empty parts, and how many empty parts follow them all (-1: an empty part
+#: lies between non-empty ones).
+Layout = tuple[int, tuple[int, ...], int, int]
+_MAX_LAYOUTS = 256
+
+
+def staging_layout(sizes: tuple[int, ...], cache: dict[tuple[int, ...], Layout]) -> Layout:
+    """The layout of staged parts of ``sizes`` (words each), packed back to back with the empty
+    ones left out and split again on the stream (``torch.tensor_split`` at ``cuts``); kept in
+    ``cache``, since a few shapes recur."""
+    cut, cuts = 0, []
+    for size in sizes:
+        if size:
+            cut += size
+            cuts.append(cut)
+    n_live = len(cuts)
+    # Empty parts get the shared empty tensor (a view costs about a microsecond each); when
+    # they all come last (the usual case) the views are the split and a tuple of them.
+    trailing = len(sizes) - n_live if not any(sizes[n_live:]) else -1
+    layout = (cut, tuple(cuts[:-1]), n_live, trailing)
+    if len(cache) >= _MAX_LAYOUTS:
+        cache.clear()
+    cache[sizes] = layout
+    return layout
