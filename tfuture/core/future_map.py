@@ -159,20 +159,15 @@ class FutureMap(SlotPool):
             fi.check_live("store")  # debug: none of its slots was handed out again
         if tokens.device != self.device:
             check_same_device("tokens", tokens, "the FutureMap", self.token_map)
-        n, host, start = fi._n, self._host, fi._start
-        if not n:
-            return
-        if host is not None and start >= 0 and not _common.INTERPRET:
-            if store_run(host, start, tokens.numpy()):
-                return  # the common case on a CPU map (as in _store): one slice assignment
-        self._store(fi, tokens, n, False)
+        n = fi._n
+        if n:
+            self._store(fi, tokens, n)
 
-    def _store(self, fi: FutureIndices, tokens: torch.Tensor, n: int, fast: bool = True) -> None:
-        """The store itself, ``n = len(fi) > 0``, every argument checked by the caller;
-        ``fast``: try the one-slice store of a CPU map first (the caller did not)."""
+    def _store(self, fi: FutureIndices, tokens: torch.Tensor, n: int) -> None:
+        """The store itself, ``n = len(fi) > 0``, every argument checked by the caller."""
         host = self._host
         start = fi._start
-        if fast and host is not None and start >= 0 and not _common.INTERPRET:
+        if host is not None and start >= 0 and not _common.INTERPRET:
             if store_run(host, start, tokens.numpy()):
                 return  # the common case on a CPU map: one slice assignment
         is_cuda = tokens.is_cuda

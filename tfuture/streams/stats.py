@@ -93,35 +93,23 @@ class RunStats:
     @property
     def device_busy(self) -> float:
         """Sum of the forward-stream ops' times."""
-        if not self._accounted:
-            self.account()
-        return self._busy
-
-    @device_busy.setter
-    def device_busy(self, value: float) -> None:
-        self._busy = value
+        return self._totals()[0]
 
     @property
     def device_idle(self) -> float:
         """Idle time of the forward stream between its first and last op."""
-        if not self._accounted:
-            self.account()
-        return self._idle
-
-    @device_idle.setter
-    def device_idle(self, value: float) -> None:
-        self._idle = value
+        return self._totals()[1]
 
     @property
     def idle_per_step(self) -> dict[int, float]:
         """Step -> the idle gap(s) before that step's ops."""
+        return self._totals()[2]
+
+    def _totals(self) -> tuple[float, float, dict[int, float]]:
+        """The device totals, accounted from the spans first when they changed since."""
         if not self._accounted:
             self.account()
-        return self._per_step
-
-    @idle_per_step.setter
-    def idle_per_step(self, value: dict[int, float]) -> None:
-        self._per_step = value
+        return self._busy, self._idle, self._per_step
 
     @property
     def step_time(self) -> float:
