@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tfuture.kernels import cpu
+from tfuture.kernels import cpu_bitmask
 from tfuture.kernels._field_layout import as_words
 from tfuture.kernels.bitmask import (
     FLOAT_DTYPES,
@@ -35,7 +35,7 @@ POISON = 777.0
 
 def apply(impl: str, logits, bitmask, rows=None, *, checked: bool = True) -> None:
     if impl == "cpu":
-        cpu.apply_token_bitmask(logits, bitmask, rows)
+        cpu_bitmask.apply_token_bitmask(logits, bitmask, rows)
     elif checked:
         apply_token_bitmask_(logits, bitmask, rows)
     else:

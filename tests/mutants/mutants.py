@@ -92,7 +92,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "cpu-bitmask-negative-row",
-        "tfuture/kernels/cpu.py",
+        "tfuture/kernels/cpu_bitmask.py",
         "for i in np.flatnonzero((idx >= 0) & (idx < n)).tolist():",
         "for i in np.flatnonzero((idx >= -1) & (idx < n)).tolist():",
         (K + "test_bitmask.py",),
@@ -132,7 +132,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "cpu-bitmask-row-past-the-end",
-        "tfuture/kernels/cpu.py",
+        "tfuture/kernels/cpu_bitmask.py",
         "for i in np.flatnonzero((idx >= 0) & (idx < n)).tolist():",
         "for i in np.flatnonzero((idx >= 0) & (idx <= n)).tolist():",
         FENCE,

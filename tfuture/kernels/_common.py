@@ -1,7 +1,8 @@
 """What every kernel family shares: the dispatch, host checks, and the error-flag helpers.
 
 ``use_triton`` is the one dispatch: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``,
-run the Triton kernel; other CPU tensors run :mod:`tfuture.kernels.cpu`. ``block_rows``,
+run the Triton kernel; other CPU tensors run :mod:`tfuture.kernels.cpu` (the bitmask:
+:mod:`tfuture.kernels.cpu_bitmask`). ``block_rows``,
 ``in_range``, ``load_slots`` and ``flag_bad`` are the ``@triton.jit`` pieces that every kernel's
 rows, bounds check and error flag are made of; ``record_bad_`` is the references' error flag.
 """

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tfuture.kernels import cpu
+from tfuture.kernels import cpu_bitmask
 from tfuture.kernels._common import INT_DTYPES, as_int, cdiv, check_same_device, check_vector, use_triton
 
 __all__ = [
@@ -147,7 +147,7 @@ def unpack_bitmask(bitmask: Array, vocab: int) -> Array:
     if isinstance(bitmask, np.ndarray):
         if n == 0:  # numpy keeps an empty array's odd strides through unpackbits
             return np.zeros((0, vocab), dtype=np.bool_)
-        return cpu.unpack_bits(bitmask, vocab)
+        return cpu_bitmask.unpack_bits(bitmask, vocab)
     if n == 0:
         # An empty tensor counts as contiguous whatever its strides, and the int32 -> uint8 view
         # below needs stride(-1) == 1: there is nothing to unpack anyway.
@@ -277,7 +277,7 @@ def launch_apply_token_bitmask_(
     if m == 0 or vocab == 0:
         return
     if not use_triton(logits):
-        cpu.apply_token_bitmask(logits, bitmask, rows)
+        cpu_bitmask.apply_token_bitmask(logits, bitmask, rows)
         return
     _apply_bitmask_kernel[(m, cdiv(vocab, _BLOCK))](
         logits,
