@@ -102,6 +102,24 @@ class _SharedStagingNumpy:
         return view
 
 
+class _SharedResultWords:
+    """``tfuture.runtime.fresh_words``, but a CPU map's step results land in one array shared by
+    every step: a later step's copy overwrites a step's results before the host read them (the
+    CPU twin of an output staging buffer reused before the host read it)."""
+
+    def __init__(self) -> None:
+        self._shared = np.zeros(64, dtype=np.int64)
+
+    def __call__(self, words: np.ndarray, err: np.ndarray) -> np.ndarray:
+        n = words.size + err.size
+        if self._shared.size < n:
+            self._shared = np.zeros(2 * n, dtype=np.int64)
+        view = self._shared[:n]
+        view[: words.size] = words
+        view[words.size :] = err
+        return view
+
+
 def _late_delayed_sample(stack: ExitStack) -> None:
     """A delayed sample is launched one step late: after the next step's resolve."""
     real_sample, real_finish = OverlapRuntime._delayed_sample, OverlapRuntime._finish
@@ -172,6 +190,9 @@ def plant(*names: str) -> Iterator[None]:
                 if name == "no_input_keepalive":
                     # A CPU map stages no input buffer: its steps' fresh arrays become one.
                     patch(mock.patch.object(tfuture.runtime, "np", _SharedStagingNumpy()))
+                else:
+                    # Nor an output buffer: its steps' fresh result arrays become one.
+                    patch(mock.patch.object(tfuture.runtime, "fresh_words", _SharedResultWords()))
             else:
                 _late_delayed_sample(stack)
         yield

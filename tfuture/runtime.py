@@ -29,7 +29,7 @@ from tfuture.steps.base import InFlight, Op, StepKind
 from tfuture.steps.token import Buckets, TokenStep
 from tfuture.streams.backends import BACKENDS, Delay, ForwardStream, drain_and_close, make_stream
 from tfuture.streams.base import RunWrapper, SpanLog
-from tfuture.streams.staging import Layout, StagingRing, staging_layout
+from tfuture.streams.staging import Layout, StagingRing, fresh_words, staging_layout
 from tfuture.streams.stats import RunStats
 
 __all__ = ["OverlapRuntime"]
@@ -59,7 +59,7 @@ class OverlapRuntime:
             (delays, gc, exceptions); its ``delay`` is used when ``delay`` is not given.
         trace: record per-op spans for bubble accounting and the Chrome trace.
         n_staging: host staging buffers per direction (at least 3: two steps in flight); a CPU
-            map stages a step's inputs in a fresh array instead and rings its outputs only.
+            map stages none: a step's inputs and its results each get a fresh array.
         buckets: pad every token step to these shapes (:class:`tfuture.steps.token.Buckets`),
             so a model can capture one CUDA graph per bucket; for a plain model only.
         sampler: a :class:`tfuture.sampling.Sampler` that samples every token step (per-request
@@ -115,7 +115,8 @@ class OverlapRuntime:
         pin = fmap.device.type == "cuda"
         self._on_cpu = fmap.device.type == "cpu"  # a CPU map stages and copies with numpy
         self._in_ring = StagingRing(n_staging, pin, "inputs")
-        self._out_ring = StagingRing(n_staging, pin, "outputs")
+        self._out_ring = StagingRing(n_staging, pin, "outputs")  # not used by a CPU map
+        self._err_host = fmap.err.numpy() if self._on_cpu else None  # the error flag's host view
         self._stream: ForwardStream | None = None
         self._step = 0
         self._inflight: list[InFlight] = []
@@ -332,7 +333,9 @@ class OverlapRuntime:
         if staging is not None:
             staging.marker = marker
         if not delayed:
-            rec.copy_done = rec.staging.marker = marker  # type: ignore[union-attr]
+            rec.copy_done = marker
+            if rec.staging is not None:
+                rec.staging.marker = marker
         # The prepare that reads these placeholders is enqueued: stream order protects them.
         if consumes:
             fmap.release_live(consumes)
@@ -350,9 +353,9 @@ class OverlapRuntime:
         assert stream is not None
         ops = self._sample_ops(rec, mask)
         stream.submit_ops(rec.step, ops)
-        staging = rec.staging
-        assert staging is not None
-        rec.copy_done = staging.marker = stream.record()
+        rec.copy_done = marker = stream.record()
+        if rec.staging is not None:
+            rec.staging.marker = marker
 
     def _sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
         """The kind's sample ops, then the D2H copy of results and error flag into a staging
@@ -361,18 +364,23 @@ class OverlapRuntime:
         assert stream is not None
         ops = kind.sample_ops(rec, mask)
         n = rec.n_result = kind.n_result(rec)
+        # The error flag is not zeroed per step: a set flag raises at this step's sync, and the
+        # run's abort clears it once the stream is drained (one launch less per step).
+        if self._on_cpu:
+            err = self._err_host
+
+            def copy_cpu() -> None:
+                # A CPU map: results and error flag in a fresh array the step owns (no ring).
+                words = kind.result_tensor(rec)
+                if words is None or words.numel() != n:
+                    words = torch.empty(n, dtype=torch.int64)
+                    kind.copy_result(rec, words)
+                rec.words = fresh_words(words.numpy(), err)
+
+            return [*ops, ("copy", copy_cpu)]
         staging = rec.staging = self._out_ring.acquire(n + 2, stream)
-        on_cpu = self._on_cpu
 
         def copy() -> None:
-            # Not zeroed per step: a set flag raises at this step's sync, and the run's abort
-            # clears it once the stream is drained (one launch less per step).
-            if on_cpu:
-                words = kind.result_tensor(rec)
-                if words is not None and words.numel() == n:
-                    # A CPU map: results and error flag in one op (a host buffer holds both).
-                    torch.cat((words, fmap.err), out=staging.head(n + 2))
-                    return
             kind.copy_result(rec, staging.head(n))
             staging.data[n : n + 2].copy_(fmap.err, non_blocking=True)
 
@@ -384,7 +392,7 @@ class OverlapRuntime:
         """Wait for ``rec``'s copy, check the error flag, hand the result to the scheduler.
         Traced: the wait's span starts at ``start`` (the launch's end, when this follows it)."""
         stream, kind, fmap = self._stream, self.kind, self.fmap
-        assert stream is not None and rec.copy_done is not None and rec.staging is not None
+        assert stream is not None and rec.copy_done is not None
         marker, n, trace = rec.copy_done, rec.n_result, self.trace
         if trace:
             log, clock = self._host_log, time.perf_counter
@@ -394,7 +402,8 @@ class OverlapRuntime:
             waited = clock()
         else:
             stream.wait(marker)
-        words = rec.staging.array[: n + 2].copy()
+        staging = rec.staging  # None on a CPU map: the copy made the step's own array
+        words = rec.words if staging is None else staging.array[: n + 2].copy()
         result = kind.result(rec, words[:n])  # first: a kind's own check names the request
         if words[n]:
             raise_if_flagged(words[n:])

@@ -62,7 +62,8 @@ class InFlight:
     out: FutureIndices
     inputs: Staging | None  # the input staging buffer (None on a CPU map: it stages none)
     state: Any
-    staging: Staging | None = None
+    staging: Staging | None = None  # the output staging buffer (None on a CPU map)
+    words: np.ndarray | None = None  # a CPU map's results and error flag, from the copy op
     copy_done: Marker | None = None
     n_result: int = 0
     delayed: bool = False  # decided once at launch: a scheduler may edit its batch later

@@ -72,6 +72,12 @@ class StagingRing:
         return buf
 
 
+def fresh_words(words: np.ndarray, err: np.ndarray) -> np.ndarray:
+    """A CPU map's step results ``[n]`` (int) and error flag ``[2]`` (int64) in one fresh
+    ``[n + 2]`` int64 array the step owns: nothing to reuse, so nothing to wait for."""
+    return np.concatenate((words, err))
+
+
 #: A staging layout: total words, ``cuts`` (the end of each non-empty part but the last),
 #: the number of non-empty parts, and how many empty parts follow them all (-1: an empty part
 #: lies between non-empty ones).
