@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,6 +36,7 @@ from tfuture.streams.stats import RunStats
 __all__ = ["OverlapRuntime"]
 
 T = TypeVar("T")
+_SIZE = attrgetter("size")
 
 # The scheduler hooks the loop calls on the host (a RunWrapper may target them).
 HOST_HOOKS = ("schedule", "process", "build_mask")
@@ -254,7 +256,16 @@ class OverlapRuntime:
         the schedule's end); ``_mark`` gets the launch's end."""
         stream, fmap, kind = self._stream, self.fmap, self.kind
         assert stream is not None
-        consumes = _take_consumes(batch, fmap)
+        consumes = getattr(batch, "consumes", None)
+        taken = type(consumes) is list
+        if taken:
+            for h in consumes:
+                # A live handle of this map, outside debug mode: one test each (the usual case).
+                if type(h) is not FutureIndices or h._pool is not fmap or h._released or h._gens is not None:
+                    taken = False
+                    break
+        if not taken:
+            consumes = _take_consumes(batch, fmap)  # every check, with its message
         out = None
         try:
             if getattr(batch, "out", None) is not None:
@@ -265,7 +276,7 @@ class OverlapRuntime:
             # One host buffer and one H2D copy for all of the step's index data: the non-empty
             # parts back to back; ``cuts`` ends each one but the last (tensor_split's indices).
             parts = plan.inputs
-            sizes = tuple([part.size for part in parts])
+            sizes = tuple(map(_SIZE, parts))
             layout = self._layouts.get(sizes)
             if layout is None:
                 layout = staging_layout(sizes, self._layouts)
@@ -422,7 +433,7 @@ class OverlapRuntime:
             if not out.released:
                 fmap.release(out)
             raise
-        if out.released:
+        if out._released:
             raise ValueError(
                 f"scheduler.process released batch.out of step {rec.step}: the runtime owns batch.out "
                 "and releases it after process (filter it to keep slots)"
@@ -450,19 +461,13 @@ class OverlapRuntime:
 
 
 def _take_consumes(batch: Any, fmap: FutureMap) -> list[FutureIndices]:
-    """The batch's consumed handles, taken over by the runtime.
+    """The batch's consumed handles, taken over by the runtime, when ``_launch``'s one test
+    per handle did not pass them (a live handle of the map, outside debug mode).
 
-    All are checked first: on a bad entry the runtime still releases every valid handle of the
+    All are checked: on a bad entry the runtime still releases every valid handle of the
     list (they were handed over), then raises, so nothing leaks.
     """
     consumes = getattr(batch, "consumes", None)
-    if type(consumes) is list:
-        for h in consumes:
-            # A live handle of this map, outside debug mode: one test (the usual case).
-            if type(h) is not FutureIndices or h._pool is not fmap or h._released or h._gens is not None:
-                break
-        else:
-            return consumes
     if not isinstance(consumes, list):
         raise TypeError(f"batch.consumes must be a list of FutureIndices, got {type(consumes).__name__}")
     for i, h in enumerate(consumes):

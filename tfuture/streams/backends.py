@@ -195,14 +195,15 @@ class InlineStream(ForwardStream):
     def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
         self._run_op(name, step, fn)
 
-    def submit_ops(self, step: int, ops: Sequence[tuple[str, Callable[[], object]]]) -> None:
-        self._run_ops(step, ops)
+    submit_ops = ForwardStream._run_ops  # at once, on this thread (no call in between)
 
     def record(self) -> Marker:
         return _DONE
 
     def wait(self, marker: Marker) -> None:
-        self.raise_if_failed()
+        err = self._error  # raise_if_failed, inline: every step waits
+        if err is not None:
+            raise err
 
 
 class CudaStream(ForwardStream):
