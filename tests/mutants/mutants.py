@@ -620,6 +620,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "a step whose empty staged parts lie between non-empty ones packs the wrong parts",
     ),
     Mutant(
+        "runtime-consumes-released-trusted",
+        "tfuture/runtime.py",
+        "if type(h) is not FutureIndices or h._pool is not fmap or h._released or h._gens is not None:",
+        "if type(h) is not FutureIndices or h._pool is not fmap or h._gens is not None:",
+        ("tests/runtime/test_misuse_runtime.py",),
+        "the launch's one test per consumed handle passes a released one: its slots are released twice",
+    ),
+    Mutant(
+        "runtime-cpu-flag-dropped",
+        "tfuture/runtime.py",
+        "rec.words = fresh_words(words.numpy(), err)",
+        "rec.words = fresh_words(words.numpy(), err * 0)",
+        ("tests/runtime/test_misuse_runtime.py",),
+        "a CPU map's result copy drops the error flag: a flagged step's tokens reach process",
+    ),
+    Mutant(
         "runtime-ring-never-packed",
         "tfuture/runtime.py",
         'np.concatenate(live, out=staging.array[:total], casting="unsafe")',

@@ -93,6 +93,47 @@ def test_d3_junk_appended_after_construction_leaks_nothing():
     assert_clean(fmap)
 
 
+def test_d3_a_consumed_handle_released_after_construction_is_refused_and_nothing_leaks():
+    fmap = FutureMap(8, device="cpu")
+    gone, own = fmap.alloc(1), fmap.alloc(2)
+    batch = one_batch(consumes=[own, gone])
+    fmap.release(gone)  # a live handle when the batch was built, released before its launch
+    with pytest.raises(ValueError, match="released"):
+        OverlapRuntime(ToyModel(vocab=VOCAB), fmap).run(Scripted([batch]))
+    assert own.released
+    assert_clean(fmap)
+
+
+class _FlaggingModel(ToyModel):
+    """Flags the map's error words on the stream at step ``at``, as a device kernel does."""
+
+    def __init__(self, fmap: FutureMap, at: int) -> None:
+        super().__init__(vocab=VOCAB)
+        self.fmap, self.at = fmap, at
+
+    def forward(self, batch):  # type: ignore[no-untyped-def]
+        if batch.step == self.at:
+            self.fmap.err[0] += 1
+            self.fmap.err[1] = -9
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("stream", ["worker", "inline"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_flag_set_on_the_stream_raises_at_that_steps_sync(stream, overlap):
+    from tfuture.core.errors import FutureError
+
+    fmap = FutureMap(16, device="cpu")
+    seen: list[int] = []
+    batches = [one_batch() for _ in range(4)]
+    rt = OverlapRuntime(_FlaggingModel(fmap, at=2), fmap, overlap=overlap, stream=stream)
+    with pytest.raises(FutureError, match=r"1 placeholder\(s\) .*most negative: -9"):
+        rt.run(Scripted(batches, on_process=lambda r: seen.append(r.step)))
+    assert seen == [0, 1]  # step 2's results never reach process
+    assert fmap.err.tolist() == [0, 0]  # the abort cleared the flag for the next run
+    assert_clean(fmap)
+
+
 # D4: the GIL switch interval is reference-counted across streams whose lifetimes overlap.
 
 
