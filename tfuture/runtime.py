@@ -256,7 +256,7 @@ class OverlapRuntime:
         the schedule's end); ``_mark`` gets the launch's end."""
         stream, fmap, kind = self._stream, self.fmap, self.kind
         assert stream is not None
-        consumes = getattr(batch, "consumes", None)
+        consumes: Any = getattr(batch, "consumes", None)
         taken = type(consumes) is list
         if taken:
             for h in consumes:
@@ -379,6 +379,7 @@ class OverlapRuntime:
         # run's abort clears it once the stream is drained (one launch less per step).
         if self._on_cpu:
             err = self._err_host
+            assert err is not None
 
             def copy_cpu() -> None:
                 # A CPU map: results and error flag in a fresh array the step owns (no ring).
@@ -415,6 +416,7 @@ class OverlapRuntime:
             stream.wait(marker)
         staging = rec.staging  # None on a CPU map: the copy made the step's own array
         words = rec.words if staging is None else staging.array[: n + 2].copy()
+        assert words is not None  # the copy ran: the wait above raised otherwise
         result = kind.result(rec, words[:n])  # first: a kind's own check names the request
         if words[n]:
             raise_if_flagged(words[n:])
