@@ -13,8 +13,8 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 (``tests/test_layers.py`` holds the exact list):
 
 1. ``core.errors``, ``core.checks``: exceptions and argument checks;
-2. ``core.params`` (``SamplingParams`` and its packing), ``core.slots`` (host slot bookkeeping,
-   ``FutureIndices``);
+2. ``core.params`` (``SamplingParams`` and its packing), ``core.slots`` (host slot bookkeeping)
+   and ``core.handles`` (``FutureIndices``);
 3. ``kernels``: the Triton kernels and their numpy twins;
 4. ``core.debug`` (device slot states), 5. ``core.future_map`` (``FutureMap``),
    6. ``core.future_fields`` (``FutureFields``), 7. ``core.batch`` (``Batch`` and the protocols);

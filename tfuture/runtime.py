@@ -12,7 +12,6 @@ always before the next step's resolve. The forward stream hands back only ``Futu
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from operator import attrgetter
@@ -40,10 +39,6 @@ _SIZE = attrgetter("size")
 
 # The scheduler hooks the loop calls on the host (a RunWrapper may target them).
 HOST_HOOKS = ("schedule", "process", "build_mask")
-
-# Maps driven by a running runtime (a map has one driver at a time), guarded by the lock.
-_DRIVEN: set[int] = set()
-_DRIVEN_LOCK = threading.Lock()
 
 
 class OverlapRuntime:
@@ -150,7 +145,7 @@ class OverlapRuntime:
         """
         if max_steps is not None:
             max_steps = as_count("max_steps", max_steps)
-        _claim(self.fmap)
+        self.fmap.claim_driver()
         user_scheduler = scheduler
         stats = RunStats(mode="overlap" if self.overlap else "sync")
         t0 = time.perf_counter()
@@ -184,7 +179,7 @@ class OverlapRuntime:
             stats.host_spans = self._host_log  # Spans are made when read, the device totals too
             self.fmap.device_exec = None
             self._stream = None
-            _unclaim(self.fmap)
+            self.fmap.release_driver()
         return stats
 
     def close(self) -> None:
@@ -265,7 +260,7 @@ class OverlapRuntime:
                     taken = False
                     break
         if not taken:
-            consumes = _take_consumes(batch, fmap)  # every check, with its message
+            consumes = fmap.take_handles(consumes, "batch.consumes")  # every check, its message
         out = None
         try:
             if getattr(batch, "out", None) is not None:
@@ -460,37 +455,3 @@ class OverlapRuntime:
             self.kind.close()
         except Exception:
             pass  # the first failure is the one that re-raises
-
-
-def _take_consumes(batch: Any, fmap: FutureMap) -> list[FutureIndices]:
-    """The batch's consumed handles, taken over by the runtime, when ``_launch``'s one test
-    per handle did not pass them (a live handle of the map, outside debug mode).
-
-    All are checked: on a bad entry the runtime still releases every valid handle of the
-    list (they were handed over), then raises, so nothing leaks.
-    """
-    consumes = getattr(batch, "consumes", None)
-    if not isinstance(consumes, list):
-        raise TypeError(f"batch.consumes must be a list of FutureIndices, got {type(consumes).__name__}")
-    for i, h in enumerate(consumes):
-        try:
-            fmap.check_handle(h, f"batch.consumes[{i}]")
-        except (TypeError, ValueError):
-            fmap.release_live([g for g in consumes if isinstance(g, FutureIndices) and g.pool is fmap])
-            raise
-    return consumes
-
-
-def _claim(fmap: FutureMap) -> None:
-    with _DRIVEN_LOCK:
-        if id(fmap) in _DRIVEN:
-            raise RuntimeError(
-                f"{fmap!r} is already driven by a running OverlapRuntime; a FutureMap is driven by one "
-                "runtime at a time (give each runtime its own map)"
-            )
-        _DRIVEN.add(id(fmap))
-
-
-def _unclaim(fmap: FutureMap) -> None:
-    with _DRIVEN_LOCK:
-        _DRIVEN.discard(id(fmap))

@@ -270,7 +270,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "slots-filter-index-dups",
-        "tfuture/core/slots.py",
+        "tfuture/core/handles.py",
         "            slots = self._array()[idx]\n            dups = None\n",
         "            slots = self._array()[idx]\n            dups = self._dups\n",
         ("tests/core/test_slots.py",),
@@ -278,7 +278,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "slots-cat-dups",
-        "tfuture/core/slots.py",
+        "tfuture/core/handles.py",
         "            dups = None if parts else False\n",
         "            dups = False\n",
         ("tests/core/test_slots.py",),
@@ -294,7 +294,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "slots-release-not-marked",
-        "tfuture/core/slots.py",
+        "tfuture/core/handles.py",
         "        self._released = True\n        n = self._n\n",
         "        n = self._n\n",
         ("tests/core/test_slots.py", "tests/core/test_futures.py"),
@@ -302,7 +302,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "slots-full-keep-unreferenced",
-        "tfuture/core/slots.py",
+        "tfuture/core/handles.py",
         "                run += _ONE\n"
         "                return FutureIndices(pool, None, start, n, False, gens)\n",
         "                return FutureIndices(pool, None, start, n, False, gens)\n",
@@ -312,7 +312,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "slots-unref-run-count",
-        "tfuture/core/slots.py",
+        "tfuture/core/handles.py",
         "pool._in_use -= n - int(_count_nonzero(run))",
         "pool._in_use -= n",
         ("tests/core/test_slots.py",),
@@ -422,11 +422,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "a speculative step's slots are released while the next step still names them",
     ),
     Mutant(
-        "runtime-bad-consumes-leak",
-        "tfuture/runtime.py",
-        "            fmap.release_live([g for g in consumes if isinstance(g, FutureIndices) "
-        "and g.pool is fmap])\n",
-        "            pass\n",
+        "map-bad-handover-leak",
+        "tfuture/core/future_map.py",
+        "                self.release_live([g for g in handles if isinstance(g, FutureIndices) "
+        "and g.pool is self])\n",
+        "                pass\n",
         ("tests/runtime/test_misuse_runtime.py",),
         "a batch with one bad consumes entry leaks the valid handles it handed over",
     ),

@@ -1,12 +1,16 @@
 """Future slots on the device: :class:`FutureMap` owns them, ``FutureIndices`` names them.
 
-The slot bookkeeping and the ownership rule live in :mod:`tfuture.core.slots` (host, numpy);
+The slot bookkeeping and the ownership rule live in :mod:`tfuture.core.slots` and
+:mod:`tfuture.core.handles` (host, numpy);
 this layer adds the device buffer ``token_map``, its error flag, the store/resolve/prepare
 launches, and the checker of :mod:`tfuture.core.debug` it calls around them: the device-side
 slot state machine in debug mode, a checker whose hooks return at once otherwise.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +38,10 @@ from tfuture.kernels.resolve import (
 from tfuture.kernels.store import launch_store
 
 __all__ = ["FutureError", "FutureIndices", "FutureMap", "FutureMapFull"]
+
+# Maps driven by a running runtime (a map has one driver at a time), guarded by the lock.
+_DRIVEN: set[int] = set()
+_DRIVEN_LOCK = threading.Lock()
 
 
 class FutureMap(SlotPool):
@@ -94,6 +102,40 @@ class FutureMap(SlotPool):
             f"FutureMap(capacity={self.capacity}, in_use={self.in_use}, "
             f"device={self.device}, dtype={self.dtype}, debug={self.debug})"
         )
+
+    def claim_driver(self) -> None:
+        """Mark this map as driven by a running runtime (``RuntimeError`` if one drives it
+        already: a map has one driver at a time); :meth:`release_driver` ends the claim."""
+        with _DRIVEN_LOCK:
+            if id(self) in _DRIVEN:
+                raise RuntimeError(
+                    f"{self!r} is already driven by a running OverlapRuntime; a FutureMap is driven by one "
+                    "runtime at a time (give each runtime its own map)"
+                )
+            _DRIVEN.add(id(self))
+
+    def release_driver(self) -> None:
+        """End :meth:`claim_driver`'s claim (idempotent)."""
+        with _DRIVEN_LOCK:
+            _DRIVEN.discard(id(self))
+
+    def take_handles(self, handles: Any, what: str) -> list[FutureIndices]:
+        """``handles`` (``what`` names it in errors), a list of live handles of this map, taken
+        over by the caller: the runtime takes a batch's consumed handles this way.
+
+        Every entry is checked (``TypeError``/``ValueError``). On a bad entry, every valid
+        handle of this map in the list is released first (they were handed over), then the
+        error raises, so nothing leaks.
+        """
+        if not isinstance(handles, list):
+            raise TypeError(f"{what} must be a list of FutureIndices, got {type(handles).__name__}")
+        for i, h in enumerate(handles):
+            try:
+                self.check_handle(h, f"{what}[{i}]")
+            except (TypeError, ValueError):
+                self.release_live([g for g in handles if isinstance(g, FutureIndices) and g.pool is self])
+                raise
+        return handles
 
     @property
     def slot_states(self) -> SlotStates | None:

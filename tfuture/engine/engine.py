@@ -18,14 +18,11 @@ engine stays usable for new requests.
 from __future__ import annotations
 
 import itertools
-import json
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from tfuture.core.future_map import FutureMap
@@ -43,7 +40,6 @@ from tfuture.engine.inputs import (
     _progress_bar,
     _prompt_list,
     _run_context,
-    _token_ids,
     _vocab,
 )
 from tfuture.engine.outputs import (
@@ -53,7 +49,7 @@ from tfuture.engine.outputs import (
     TokenStream,
     _Collector,
 )
-from tfuture.grammars.xgrammar import XGrammarCompiler
+from tfuture.engine.requests import RequestPreparer, _Prepared
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.scheduler.options import GenerationParams
@@ -78,18 +74,6 @@ __all__ = [
 OnTokens = Callable[["Engine", TokenUpdate], None]
 # generate()'s default cap on requests running at once (the KV pool's rows).
 MAX_RUNNING = 32
-# Compiled grammars an engine keeps (by schema text), for requests that repeat a schema.
-_GRAMMAR_CACHE = 256
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    """A checked request, not yet submitted."""
-
-    text: str | None
-    ids: np.ndarray
-    params: GenerationParams
-    spec_kw: dict[str, Any]
 
 
 class Engine:
@@ -170,8 +154,7 @@ class Engine:
         self._driver_thread: threading.Thread | None = None  # the thread that drives the runtime
         self._closed = False
         self._local = threading.local()  # the generate() call whose on_tokens runs here
-        self._compiler: XGrammarCompiler | None = None
-        self._grammars: dict[str, Any] = {}
+        self._requests = RequestPreparer(self.tokenizer, self.vocab, self.max_len, self.eos)
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -184,7 +167,7 @@ class Engine:
         """Queue one request (thread-safe) and return its id. ``callback(update)`` hears its
         :class:`TokenUpdate` s on the runtime's host thread (token ids only: see
         :meth:`stream` for text). Starts the background thread if nothing drives the engine."""
-        prepared = self._prepare(prompt, params)
+        prepared = self._requests.prepare(prompt, params)
         collector: _Collector | None = getattr(self._local, "collector", None)
         return self._add_many([prepared], callback, collector)[0]
 
@@ -199,7 +182,7 @@ class Engine:
         when the engine has a tokenizer. The iterator blocks on a queue (no busy waiting), ends
         when every request finished, and aborts the requests left when closed early (``break``,
         ``close()``, garbage collection, an exception in the loop body)."""
-        items = self._prepare_all(prompts, params)
+        items = self._requests.prepare_all(prompts, params)
         q: queue.SimpleQueue[TokenUpdate] = queue.SimpleQueue()
         return TokenStream(self, self._add_many(items, q.put, None), q)
 
@@ -221,7 +204,7 @@ class Engine:
         ``progress``: a tqdm bar over requests (None: only when stderr is a terminal and the
         call takes over a second, and only if tqdm is installed; True: always, needs tqdm).
         """
-        items = self._prepare_all(prompts, params)
+        items = self._requests.prepare_all(prompts, params)
         if not items:
             return GenerateResult([], None)
         bar = _progress_bar(progress, len(items))
@@ -268,85 +251,6 @@ class Engine:
             return self._driver is not None
 
     # ------------------------------------------------------------------ internals
-    def _prepare_all(self, prompts: Prompt | Sequence[Prompt], params: Any) -> list[_Prepared]:
-        plist = _prompt_list(prompts)
-        return [self._prepare(p, gp) for p, gp in zip(plist, _params_list(params, len(plist)), strict=True)]
-
-    def _prepare(self, prompt: Prompt, params: GenerationParams | None) -> _Prepared:
-        """Check and tokenize one request, compile its grammar, draw its seed: all before it is
-        queued, on the submitting thread."""
-        if params is None:
-            params = GenerationParams()
-        if not isinstance(params, GenerationParams):
-            raise TypeError(
-                "params must be a tfuture.scheduler.GenerationParams (it carries max_tokens and the stop "
-                f"tokens; SamplingParams is the sampler's), got {type(params).__name__}"
-            )
-        text: str | None = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: Engine(model, tokenizer=...)")
-            text, ids = prompt, np.asarray(encode(self.tokenizer, prompt), dtype=np.int64)
-        else:
-            ids = _token_ids(prompt)
-        if not ids.size:
-            raise ValueError(f"the prompt is empty (a request needs at least one token): {prompt!r}")
-        if int(ids.min()) < 0 or (self.vocab is not None and int(ids.max()) >= self.vocab):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise ValueError(f"prompt token id {bad} lies outside the model's vocabulary [0, {self.vocab})")
-        if self.max_len is not None and ids.size + params.max_tokens > self.max_len:
-            raise ValueError(
-                f"prompt of {ids.size} tokens + max_tokens={params.max_tokens} exceeds "
-                f"max_len={self.max_len} positions per request (build the engine with a larger "
-                "max_len, or ask for fewer tokens)"
-            )
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop.update(self.eos)
-        kw: dict[str, Any] = {
-            "max_new": params.max_tokens,
-            "params": params.sampling_params(),
-            "stop": frozenset(stop),
-            "grammar": self._grammar(params) if params.structured else False,
-        }
-        g = kw["grammar"]
-        if g is not False and self.vocab is not None and g.vocab != self.vocab:
-            raise ValueError(
-                f"the request's grammar has vocab {g.vocab}, the model's logits have {self.vocab}"
-            )
-        return _Prepared(text, ids, params, kw)
-
-    def _grammar(self, params: GenerationParams) -> Any:
-        if params.grammar is not None and not isinstance(params.grammar, str):
-            return params.grammar
-        if self.tokenizer is None:
-            raise ValueError(
-                "structured output (json_schema or an EBNF grammar) needs a tokenizer: "
-                "Engine(model, tokenizer=...)"
-            )
-        if params.json_schema is not None:
-            schema = params.json_schema
-            key = "json:" + (schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
-        else:
-            key = "ebnf:" + str(params.grammar)
-        with self._cond:
-            grammar = self._grammars.get(key)
-            if grammar is not None:
-                return grammar
-            if self._compiler is None:
-                self._compiler = XGrammarCompiler(
-                    self.tokenizer, vocab_size=self.vocab, stop_token_ids=list(self.eos) or None
-                )
-            compiler = self._compiler
-        if params.json_schema is not None:
-            grammar = compiler.json_schema(params.json_schema)
-        else:
-            grammar = compiler.ebnf(str(params.grammar))
-        with self._cond:
-            if len(self._grammars) >= _GRAMMAR_CACHE:
-                self._grammars.clear()  # a server with ever new schemas: keep memory bounded
-            return self._grammars.setdefault(key, grammar)
-
     def _add_many(
         self,
         items: list[_Prepared],
