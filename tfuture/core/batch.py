@@ -25,6 +25,9 @@ _NO_IDS = np.empty(0, dtype=np.int64)
 
 _I64 = np.dtype(np.int64)
 _BOOL = np.dtype(np.bool_)
+_FIVE_ARRAYS = (np.ndarray,) * 5
+_FIVE_I64 = (_I64,) * 5
+_THREE_VECTORS = (1, 1, 1)
 
 
 def _int_vector(name: str, a: object, n: int | None = None) -> np.ndarray:
@@ -145,23 +148,14 @@ class Batch:
             self.prefix_lens,
             self.req_ids,
         )
-        # Every array an int64 vector already (the usual case): one test each, no call.
-        if not (
-            type(ended) is np.ndarray
-            and ended.dtype == _I64
-            and ended.ndim == 1
-            and type(tokens) is np.ndarray
-            and tokens.dtype == _I64
-            and tokens.ndim == 1
-            and type(seg_lens) is np.ndarray
-            and seg_lens.dtype == _I64
-            and seg_lens.ndim == 1
-            and type(prefix) is np.ndarray
-            and prefix.dtype == _I64
-            and prefix.shape == seg_lens.shape
-            and type(rids) is np.ndarray
-            and rids.dtype == _I64
-            and rids.shape == seg_lens.shape
+        # Every array an int64 vector already (the usual case): a few tuple comparisons, no call
+        # (a tuple compares its items by identity first: the dtypes are numpy's own objects).
+        if (
+            (type(tokens), type(seg_lens), type(prefix), type(rids), type(ended)) != _FIVE_ARRAYS
+            or (tokens.dtype, seg_lens.dtype, prefix.dtype, rids.dtype, ended.dtype) != _FIVE_I64
+            or (tokens.ndim, seg_lens.ndim, ended.ndim) != _THREE_VECTORS
+            or prefix.shape != seg_lens.shape
+            or rids.shape != seg_lens.shape
         ):
             self.ended = ended = _int_vector("ended", ended)
             self.tokens = tokens = _int_vector("tokens", tokens)

@@ -3,7 +3,6 @@ micro-batch, :class:`MicroState` (a token step's record plus the pipe's fields).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -34,7 +33,6 @@ class StageModel(Protocol):
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> torch.Tensor: ...
 
 
-@dataclass(slots=True, eq=False)
 class MicroState(TokenState):
     """One launched micro-batch (or bubble, ``micro`` None) on this rank, from plan to delivery."""
 

@@ -72,21 +72,15 @@ class TokenInputs(NamedTuple):
     store_slots: Any = _NO_ROWS  # a graphed step's slots to store into (padded); else empty
 
 
-@dataclass(slots=True, eq=False)
 class TokenState:
     """One token step's record. ``late``: the sampling rows (indices into ``sample_reqs``) that
     sample after the mask, ``now`` the others; ``mask_rows`` the rows the scheduler's mask
     covers (``late``, unless a sample path that takes every row at once samples a step with a
-    few waiting rows)."""
+    few waiting rows).
 
-    sample_reqs: np.ndarray
-    host: HostMeta
-    ended: np.ndarray
-    n_rows: int
-    late: np.ndarray
-    now: np.ndarray
-    mask_rows: np.ndarray
-    splan: SamplerPlan
+    The plan sets the first eight fields; the others keep their class defaults until the step
+    sets them (a record built every step: its constructor assigns eight fields, not twenty)."""
+
     fwd: ForwardBatch | None = None
     logits: torch.Tensor | None = None
     sampled: torch.Tensor | None = None  # -1 where a row got no valid token (checked on the host)
@@ -101,6 +95,26 @@ class TokenState:
     #: Whether some rows sample at once and others wait for the mask (``late`` and ``now`` both
     #: non-empty), set by the plan.
     split: bool = False
+
+    def __init__(
+        self,
+        sample_reqs: np.ndarray,
+        host: HostMeta,
+        ended: np.ndarray,
+        n_rows: int,
+        late: np.ndarray,
+        now: np.ndarray,
+        mask_rows: np.ndarray,
+        splan: SamplerPlan,
+    ) -> None:
+        self.sample_reqs = sample_reqs
+        self.host = host
+        self.ended = ended
+        self.n_rows = n_rows
+        self.late = late
+        self.now = now
+        self.mask_rows = mask_rows
+        self.splan = splan
 
     @property
     def n_sample(self) -> int:
