@@ -36,6 +36,8 @@ __all__ = ["OverlapRuntime"]
 
 T = TypeVar("T")
 _SIZE = attrgetter("size")
+_NO_WORDS = np.empty(0, dtype=np.int64)
+_NO_WORDS.flags.writeable = False
 
 # The scheduler hooks the loop calls on the host (a RunWrapper may target them).
 HOST_HOOKS = ("schedule", "process", "build_mask")
@@ -275,7 +277,7 @@ class OverlapRuntime:
             layout = self._layouts.get(sizes)
             if layout is None:
                 layout = staging_layout(sizes, self._layouts)
-            total, cuts, n_live, trailing = layout
+            total, cuts, n_live, trailing, slices = layout
             # A CPU map needs no host staging buffer: its step gets fresh memory at once (below).
             staging = None if self._on_cpu else self._in_ring.acquire(total, stream)
             out = fmap.alloc(plan.n_out)
@@ -305,21 +307,30 @@ class OverlapRuntime:
         self._inflight.append(rec)
         dev, named, n_parts = fmap.device, type(parts), len(sizes)
         empty, empties = self._empty, (self._empty,) * max(trailing, 0)
+        host_empties = (_NO_WORDS,) * max(trailing, 0)
         target = plan.target  # a graphed step's static inputs, or None: fresh memory
 
         def prepare() -> None:
             # Fresh memory on every backend: the step must not alias a reusable host buffer.
-            if target is not None:
-                dev_in = target
-                if type(data) is np.ndarray:
-                    target.numpy()[:] = data
-                else:
-                    target.copy_(data, non_blocking=True)
-            elif type(data) is np.ndarray:
-                dev_in = torch.from_numpy(data)  # made for this step alone, at launch
+            views: tuple[torch.Tensor, ...]
+            if target is None and type(data) is np.ndarray:
+                # A CPU map: the parts are views of the step's own array, made for this step
+                # alone at launch (numpy slices and from_numpy cost less than a tensor_split);
+                # the kind may read the numpy views too.
+                arrays = tuple(map(data.__getitem__, slices))
+                views = tuple(map(torch.from_numpy, arrays))
+                if trailing >= 0:
+                    rec.host_inputs = tuple.__new__(named, arrays + host_empties)
             else:
-                dev_in = data.to(dev, non_blocking=True, copy=True)
-            views = torch.tensor_split(dev_in, cuts) if cuts else (dev_in,) if n_live else ()
+                if target is not None:
+                    dev_in = target
+                    if type(data) is np.ndarray:
+                        target.numpy()[:] = data
+                    else:
+                        target.copy_(data, non_blocking=True)
+                else:
+                    dev_in = data.to(dev, non_blocking=True, copy=True)
+                views = torch.tensor_split(dev_in, cuts) if cuts else (dev_in,) if n_live else ()
             if trailing > 0:
                 views += empties
             elif trailing < 0:
@@ -378,11 +389,12 @@ class OverlapRuntime:
 
             def copy_cpu() -> None:
                 # A CPU map: results and error flag in a fresh array the step owns (no ring).
-                words = kind.result_tensor(rec)
-                if words is None or words.numel() != n:
-                    words = torch.empty(n, dtype=torch.int64)
-                    kind.copy_result(rec, words)
-                rec.words = fresh_words(words.numpy(), err)
+                words = kind.result_array(rec)
+                if words is None or words.size != n:
+                    buf = torch.empty(n, dtype=torch.int64)
+                    kind.copy_result(rec, buf)
+                    words = buf.numpy()
+                rec.words = fresh_words(words, err)
 
             return [*ops, ("copy", copy_cpu)]
         staging = rec.staging = self._out_ring.acquire(n + 2, stream)

@@ -9,6 +9,7 @@ import torch
 
 from tfuture import FutureMap
 from tfuture.core.batch import Batch, ForwardBatch
+from tfuture.kernels import _common
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler, SamplingParams
 
@@ -112,8 +113,16 @@ class TwoDecodes:
         return None
 
 
+def _kernel_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``numpy``: the CPU map's own path outside the interpreter (stores through host views)."""
+    if path == "numpy":
+        monkeypatch.setattr(_common, "INTERPRET", False)
+
+
+@pytest.mark.parametrize("path", ["kernels", "numpy"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_the_runtime_raises_naming_the_request_and_step(overlap: bool) -> None:
+def test_the_runtime_raises_naming_the_request_and_step(overlap: bool, path: str, monkeypatch) -> None:
+    _kernel_path(path, monkeypatch)
     fmap = FutureMap(16, device="cpu")
     sched = TwoDecodes()
     with pytest.raises(ValueError, match=r"step 1: the sampler found no valid token for request id 11"):
@@ -134,8 +143,12 @@ class MarksItsOwn(Crafted):
         return tokens
 
 
+@pytest.mark.parametrize("path", ["kernels", "numpy"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_models_own_minus_one_raises_naming_the_request_and_is_never_stored(overlap: bool) -> None:
+def test_a_models_own_minus_one_raises_naming_the_request_and_is_never_stored(
+    overlap: bool, path: str, monkeypatch
+) -> None:
+    _kernel_path(path, monkeypatch)
     # The runtime stores a model's tokens unclamped: the store writes 0 for the -1 and flags it,
     # and the step's own check (first) names the request.
     fmap = FutureMap(16, device="cpu")

@@ -192,26 +192,30 @@ class FutureMap(SlotPool):
         # tokens were checked above; the map and the handle's slots are the map's own.
         self._store(fi, tokens, n)
 
-    def launch_store(self, fi: FutureIndices, tokens: torch.Tensor) -> None:
+    def launch_store(self, fi: FutureIndices, tokens: torch.Tensor) -> np.ndarray | None:
         """:meth:`store` without the checks its caller made: for the runtime, whose ``fi`` is a
         live handle it allocated itself (fresh, distinct slots) and whose ``tokens`` are a
         contiguous int32/int64 ``[len(fi)]`` vector (checked by the sample path). The device
-        and the int32 fit are still checked, and debug mode still checks every slot."""
+        and the int32 fit are still checked, and debug mode still checks every slot.
+
+        Returns the numpy view of ``tokens`` that a CPU map's store read them through (the
+        caller may read it too: the same memory), else None."""
         if fi._gens is not None:
             fi.check_live("store")  # debug: none of its slots was handed out again
         if tokens.device != self.device:
             check_same_device("tokens", tokens, "the FutureMap", self.token_map)
         n = fi._n
-        if n:
-            self._store(fi, tokens, n)
+        return self._store(fi, tokens, n) if n else None
 
-    def _store(self, fi: FutureIndices, tokens: torch.Tensor, n: int) -> None:
-        """The store itself, ``n = len(fi) > 0``, every argument checked by the caller."""
+    def _store(self, fi: FutureIndices, tokens: torch.Tensor, n: int) -> np.ndarray | None:
+        """The store itself, ``n = len(fi) > 0``, every argument checked by the caller; the
+        tokens' numpy view when the CPU fast path took them."""
         host = self._host
         start = fi._start
         if host is not None and start >= 0 and not _common.INTERPRET:
-            if store_run(host, start, tokens.numpy()):
-                return  # the common case on a CPU map: one slice assignment
+            words = tokens.numpy()
+            if store_run(host, start, words):
+                return words  # the common case on a CPU map: one slice assignment
         is_cuda = tokens.is_cuda
         if not is_cuda and self._narrow32 and tokens.dtype == torch.int64:
             _check_fits(tokens.numpy(), self.dtype)
@@ -227,6 +231,7 @@ class FutureMap(SlotPool):
                 dev_slots = dev_slots.to(self.device, non_blocking=True)
             launch_store(self.token_map, dev_slots, tokens, self.err)
         checks.after_store(fi, tokens)
+        return None
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """In place on the current stream, every negative id ``-s`` becomes slot ``s``'s token.
@@ -242,13 +247,17 @@ class FutureMap(SlotPool):
             ids.record_stream(torch.cuda.current_stream(ids.device))
         return self.launch_resolve(ids)
 
-    def launch_resolve(self, ids: torch.Tensor) -> torch.Tensor:
+    def launch_resolve(self, ids: torch.Tensor, host: np.ndarray | None = None) -> torch.Tensor:
         """:meth:`resolve` without its argument checks, for a caller that built ``ids`` itself
         (the runtime: a contiguous int64 vector on the map's device, from a checked
-        :class:`tfuture.core.batch.Batch`). Debug mode still checks every slot it reads."""
+        :class:`tfuture.core.batch.Batch`). Debug mode still checks every slot it reads.
+
+        ``host``: on a CPU map, ``ids``' own memory as a numpy array when the caller has it
+        (the step's staged array), which saves making that view."""
         back = self._host_back
-        if back is not None and not _common.INTERPRET and resolve_in_range_(ids.numpy(), back):
-            return ids  # the common case on a CPU map: a few numpy ops on the map's own view
+        if back is not None and not _common.INTERPRET:
+            if resolve_in_range_(ids.numpy() if host is None else host, back):
+                return ids  # the common case on a CPU map: a few numpy ops on the map's own view
         checks = self._checks
         checks.before_read(ids)
         launch_resolve_(ids, self.token_map, self.err)

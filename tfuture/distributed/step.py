@@ -279,7 +279,7 @@ class ParallelStep(TokenStep):
         if len(rec.out):
             dst.copy_(rec.state.delivered, non_blocking=True)
 
-    def result_tensor(self, rec: InFlight) -> torch.Tensor | None:
+    def result_array(self, rec: InFlight) -> np.ndarray | None:
         return None  # a rank may deliver nothing (copy_result copies only what it got)
 
     def result(self, rec: InFlight, words: np.ndarray) -> MicroResult:  # type: ignore[override]

@@ -64,6 +64,9 @@ class InFlight:
     state: Any
     staging: Staging | None = None  # the output staging buffer (None on a CPU map)
     words: np.ndarray | None = None  # a CPU map's results and error flag, from the copy op
+    #: A CPU map: the step's staged parts (the plan's NamedTuple) as numpy views of the step's
+    #: own array, the memory of the device views ``prepare`` gets; else None.
+    host_inputs: Any = None
     copy_done: Marker | None = None
     n_result: int = 0
     delayed: bool = False  # decided once at launch: a scheduler may edit its batch later
@@ -112,10 +115,11 @@ class StepKind(ABC):
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
         """On the stream: copy the step's results into host ``dst [n_result]`` (non-blocking)."""
 
-    def result_tensor(self, rec: InFlight) -> torch.Tensor | None:
-        """On the stream: the ``[n_result]`` integer tensor that :meth:`copy_result` would copy,
-        when it is one tensor; the runtime may then copy it with the error flag in one op (a CPU
-        map). None (the default): the runtime calls :meth:`copy_result`."""
+    def result_array(self, rec: InFlight) -> np.ndarray | None:
+        """On the stream of a CPU map: the ``[n_result]`` integer results that :meth:`copy_result`
+        would copy, as a numpy array (a view of their tensor), when they are one tensor; the
+        runtime then copies them with the error flag in one op. None (the default): the runtime
+        calls :meth:`copy_result`."""
         return None
 
     @abstractmethod

@@ -184,11 +184,19 @@ class TokenStep(StepKind):
             # A decode step (one token a request, unpadded): the inputs are the staged arrays
             # themselves, fresh device memory each step. The tokens resolve in place, a position
             # is the prefix length, and request q's last row is q (seg_starts[q]).
-            ids, positions, last = (
-                fmap.launch_resolve(inputs.tokens),
-                inputs.prefix_lens,
-                inputs.seg_starts[:-1],
-            )
+            staged = rec.host_inputs  # a CPU map: the same memory as numpy (cheaper views)
+            if staged is None:
+                ids, positions, last = (
+                    fmap.launch_resolve(inputs.tokens),
+                    inputs.prefix_lens,
+                    inputs.seg_starts[:-1],
+                )
+            else:
+                ids, positions, last = (
+                    fmap.launch_resolve(inputs.tokens, staged.tokens),
+                    inputs.prefix_lens,
+                    torch.from_numpy(staged.seg_starts[:-1]),
+                )
             n_reqs = host.seg_lens.size
         else:
             ids, positions, last = self._prepare_rows(state, inputs)
@@ -272,13 +280,17 @@ class TokenStep(StepKind):
             return []  # the replay sampled and stored
         if mask is not None:
             self.take_mask(rec, mask)
-        fmap, state = self.fmap, rec.state
+        return [("sample", lambda: self.sample(rec)), ("store", lambda: self.store(rec))]
+
+    def store(self, rec: InFlight) -> None:
+        """FORWARD STREAM: the step's tokens into its fresh slots: the runtime's own handle,
+        tokens checked by the sample path, so the lean store. A CPU map's store hands back its
+        numpy view of the tokens: the result copy reads the sampled tokens through it."""
+        state, fmap = rec.state, self.fmap
         assert fmap is not None
-        # The runtime's own fresh handle, tokens checked by the sample path: the lean store.
-        return [
-            ("sample", lambda: self.sample(rec)),
-            ("store", lambda: fmap.launch_store(rec.out, state.clean)),
-        ]
+        host = fmap.launch_store(rec.out, state.clean)
+        if state.clean is state.sampled:
+            state.sampled_host = host
 
     def take_mask(self, rec: InFlight, mask: object) -> None:
         """HOST: check a delayed step's mask (every row allows a token; the width, once the
@@ -376,8 +388,10 @@ class TokenStep(StepKind):
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
         dst.copy_(rec.state.sampled, non_blocking=True)
 
-    def result_tensor(self, rec: InFlight) -> torch.Tensor | None:
-        return rec.state.sampled
+    def result_array(self, rec: InFlight) -> np.ndarray | None:
+        state = rec.state
+        host = state.sampled_host  # the store's view of the same tensor, when it made one
+        return host if host is not None else state.sampled.numpy()
 
     def result(self, rec: InFlight, words: np.ndarray) -> StepResult:
         check_sampled(words, rec.state, rec.step)

@@ -84,6 +84,7 @@ class TokenState:
     fwd: ForwardBatch | None = None
     logits: torch.Tensor | None = None
     sampled: torch.Tensor | None = None  # -1 where a row got no valid token (checked on the host)
+    sampled_host: np.ndarray | None = None  # a CPU map: ``sampled`` as numpy, if the store made it
     clean: torch.Tensor | None = None  # what the map gets: -1 read as 0 when the path records history
     mask: torch.Tensor | None = None
     mask_ready: Any = None  # a CUDA event when the mask was built on the caller's stream

@@ -79,16 +79,16 @@ def fresh_words(words: np.ndarray, err: np.ndarray) -> np.ndarray:
 
 
 #: A staging layout: total words, ``cuts`` (the end of each non-empty part but the last),
-#: the number of non-empty parts, and how many empty parts follow them all (-1: an empty part
-#: lies between non-empty ones).
-Layout = tuple[int, tuple[int, ...], int, int]
+#: the number of non-empty parts, how many empty parts follow them all (-1: an empty part
+#: lies between non-empty ones), and the non-empty parts' slices of the packed words.
+Layout = tuple[int, tuple[int, ...], int, int, tuple[slice, ...]]
 _MAX_LAYOUTS = 256
 
 
 def staging_layout(sizes: tuple[int, ...], cache: dict[tuple[int, ...], Layout]) -> Layout:
     """The layout of staged parts of ``sizes`` (words each), packed back to back with the empty
-    ones left out and split again on the stream (``torch.tensor_split`` at ``cuts``); kept in
-    ``cache``, since a few shapes recur."""
+    ones left out and split again on the stream (``torch.tensor_split`` at ``cuts``, or numpy
+    ``slices`` of a CPU map's array); kept in ``cache``, since a few shapes recur."""
     cut, cuts = 0, []
     for size in sizes:
         if size:
@@ -98,7 +98,7 @@ def staging_layout(sizes: tuple[int, ...], cache: dict[tuple[int, ...], Layout])
     # Empty parts get the shared empty tensor (a view costs about a microsecond each); when
     # they all come last (the usual case) the views are the split and a tuple of them.
     trailing = len(sizes) - n_live if not any(sizes[n_live:]) else -1
-    layout = (cut, tuple(cuts[:-1]), n_live, trailing)
+    layout = (cut, tuple(cuts[:-1]), n_live, trailing, tuple(map(slice, [0, *cuts[:-1]], cuts)))
     if len(cache) >= _MAX_LAYOUTS:
         cache.clear()
     cache[sizes] = layout
