@@ -110,14 +110,13 @@ class _SharedResultWords:
     def __init__(self) -> None:
         self._shared = np.zeros(64, dtype=np.int64)
 
-    def __call__(self, words: np.ndarray, err: np.ndarray) -> np.ndarray:
-        n = words.size + err.size
+    def __call__(self, words: np.ndarray, err: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        n = words.size
         if self._shared.size < n:
             self._shared = np.zeros(2 * n, dtype=np.int64)
         view = self._shared[:n]
-        view[: words.size] = words
-        view[words.size :] = err
-        return view
+        view[:] = words
+        return view, err.tolist()
 
 
 def _late_delayed_sample(stack: ExitStack) -> None:

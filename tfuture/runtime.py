@@ -421,12 +421,17 @@ class OverlapRuntime:
             waited = clock()
         else:
             stream.wait(marker)
-        staging = rec.staging  # None on a CPU map: the copy made the step's own array
-        words = rec.words if staging is None else staging.array[: n + 2].copy()
-        assert words is not None  # the copy ran: the wait above raised otherwise
-        result = kind.result(rec, words[:n])  # first: a kind's own check names the request
-        if words[n]:
-            raise_if_flagged(words[n:])
+        staging = rec.staging
+        flag: Any
+        if staging is None:  # a CPU map: the copy op made the step's own results and flag
+            assert rec.words is not None  # the copy ran: the wait above raised otherwise
+            words, flag = rec.words
+        else:
+            both = staging.array[: n + 2].copy()
+            words, flag = both[:n], both[n:]
+        result = kind.result(rec, words)  # first: a kind's own check names the request
+        if flag[0]:
+            raise_if_flagged(flag)
         self._inflight.remove(rec)
         stats.tokens += kind.n_tokens(result)
         out = rec.out

@@ -621,6 +621,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "reaches process as token 0",
     ),
     Mutant(
+        "token-result-check-skipped",
+        "tfuture/steps/token.py",
+        "        if rec.state.sampled_host is None:\n            check_sampled(",
+        "        if False:\n            check_sampled(",
+        ("tests/sampling/test_non_finite_logits.py",),
+        "the host never checks the sampled tokens: a row with no valid token reaches process",
+    ),
+    Mutant(
         "token-decode-resolve-host-view",
         "tfuture/steps/token.py",
         "fmap.launch_resolve(inputs.tokens, staged.tokens)",

@@ -63,7 +63,7 @@ class InFlight:
     inputs: Staging | None  # the input staging buffer (None on a CPU map: it stages none)
     state: Any
     staging: Staging | None = None  # the output staging buffer (None on a CPU map)
-    words: np.ndarray | None = None  # a CPU map's results and error flag, from the copy op
+    words: tuple[np.ndarray, list[int]] | None = None  # a CPU map's results and error flag (copy op)
     #: A CPU map: the step's staged parts (the plan's NamedTuple) as numpy views of the step's
     #: own array, the memory of the device views ``prepare`` gets; else None.
     host_inputs: Any = None

@@ -72,10 +72,10 @@ class StagingRing:
         return buf
 
 
-def fresh_words(words: np.ndarray, err: np.ndarray) -> np.ndarray:
-    """A CPU map's step results ``[n]`` (int) and error flag ``[2]`` (int64) in one fresh
-    ``[n + 2]`` int64 array the step owns: nothing to reuse, so nothing to wait for."""
-    return np.concatenate((words, err))
+def fresh_words(words: np.ndarray, err: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """A CPU map's step results ``[n]`` (int) as a fresh int64 array the step owns (nothing to
+    reuse, so nothing to wait for), and its error flag ``[2]`` as two ints ``[count, worst]``."""
+    return words.astype(np.int64), err.tolist()
 
 
 #: A staging layout: total words, ``cuts`` (the end of each non-empty part but the last),
