@@ -79,27 +79,25 @@ def _ring_without_wait(ring_name: str, real: Callable[..., Staging]) -> Callable
     return acquire
 
 
-class _SharedStagingNumpy:
-    """numpy as ``tfuture.runtime`` sees it, but a CPU map's staged words (``concatenate``
-    without ``out``: the step's own fresh array) land in one array shared by every step: the
-    host overwrites a step's inputs before the stream read them (the CPU twin of an input
-    staging buffer reused before its copy ran)."""
+class _SharedStagedParts:
+    """``tfuture.runtime.fresh_parts``, but a CPU map's staged parts land in one array shared by
+    every step (each part a view of it): the host overwrites a step's inputs before the stream
+    read them (the CPU twin of an input staging buffer reused before its copy ran)."""
 
     def __init__(self) -> None:
         self._shared = np.zeros(64, dtype=np.int64)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(np, name)
-
-    def concatenate(self, arrays: Any, out: Any = None, **kw: Any) -> np.ndarray:
-        if out is not None:
-            return np.concatenate(arrays, out=out, **kw)
-        fresh = np.concatenate(arrays, **kw)
-        if self._shared.size < fresh.size:
-            self._shared = np.zeros(2 * fresh.size, dtype=np.int64)
-        view = self._shared[: fresh.size]
-        view[:] = fresh
-        return view
+    def __call__(self, parts: Any) -> tuple[np.ndarray, ...]:
+        total = sum(p.size for p in parts)
+        if self._shared.size < total:
+            self._shared = np.zeros(2 * total, dtype=np.int64)
+        views, at = [], 0
+        for p in parts:
+            view = self._shared[at : at + p.size]
+            view[:] = p
+            views.append(view)
+            at += p.size
+        return tuple(views)
 
 
 class _SharedResultWords:
@@ -188,7 +186,7 @@ def plant(*names: str) -> Iterator[None]:
                 patch(mock.patch.object(StagingRing, "acquire", _ring_without_wait(ring, real_acquire)))
                 if name == "no_input_keepalive":
                     # A CPU map stages no input buffer: its steps' fresh arrays become one.
-                    patch(mock.patch.object(tfuture.runtime, "np", _SharedStagingNumpy()))
+                    patch(mock.patch.object(tfuture.runtime, "fresh_parts", _SharedStagedParts()))
                 else:
                     # Nor an output buffer: its steps' fresh result arrays become one.
                     patch(mock.patch.object(tfuture.runtime, "fresh_words", _SharedResultWords()))

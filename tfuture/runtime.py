@@ -29,7 +29,7 @@ from tfuture.steps.base import InFlight, Op, StepKind
 from tfuture.steps.token import Buckets, TokenStep
 from tfuture.streams.backends import BACKENDS, Delay, ForwardStream, drain_and_close, make_stream
 from tfuture.streams.base import RunWrapper, SpanLog
-from tfuture.streams.staging import Layout, StagingRing, fresh_words, staging_layout
+from tfuture.streams.staging import Layout, StagingRing, fresh_parts, fresh_words, staging_layout
 from tfuture.streams.stats import RunStats
 
 __all__ = ["OverlapRuntime"]
@@ -277,7 +277,7 @@ class OverlapRuntime:
             layout = self._layouts.get(sizes)
             if layout is None:
                 layout = staging_layout(sizes, self._layouts)
-            total, cuts, n_live, trailing, slices = layout
+            total, cuts, n_live, trailing = layout
             # A CPU map needs no host staging buffer: its step gets fresh memory at once (below).
             staging = None if self._on_cpu else self._in_ring.acquire(total, stream)
             out = fmap.alloc(plan.n_out)
@@ -291,33 +291,34 @@ class OverlapRuntime:
             fmap.release_live(consumes)
             raise
         batch.out, batch.step = out, self._step
-        # The non-empty parts back to back in one C call (as slice assignments); ``cuts`` ends
-        # each one but the last (tensor_split's indices). On a CPU map that is a fresh int64
-        # array the step owns (no torch dispatch); else the staging buffer, copied on the stream.
+        # The non-empty parts: in the staging buffer back to back, in one C call (as slice
+        # assignments), copied on the stream and split there at ``cuts`` (tensor_split's
+        # indices); on a CPU map each in a fresh int64 array the step owns, made at once: no
+        # packing, no torch dispatch, and those arrays are the device inputs themselves.
         live = parts[:n_live] if trailing >= 0 else [part for part in parts if part.size]
-        data: Any
-        if staging is None:
-            data = np.concatenate(live, dtype=np.int64, casting="unsafe") if n_live else np.empty(0, np.int64)
-        else:
+        target = plan.target  # a graphed step's static inputs, or None: fresh memory
+        data: Any = None
+        arrays: tuple[np.ndarray, ...] = ()
+        if staging is not None:
             if n_live:
                 np.concatenate(live, out=staging.array[:total], casting="unsafe")
             data = staging.data[:total]
+        elif target is None:
+            arrays = fresh_parts(live)
+        else:  # a graphed step on a CPU map: its static inputs take the packed words
+            data = np.concatenate(live, dtype=np.int64, casting="unsafe") if n_live else np.empty(0, np.int64)
         rec = InFlight(self._step, batch, out, staging, plan.state)
         self._step += 1
         self._inflight.append(rec)
         dev, named, n_parts = fmap.device, type(parts), len(sizes)
         empty, empties = self._empty, (self._empty,) * max(trailing, 0)
         host_empties = (_NO_WORDS,) * max(trailing, 0)
-        target = plan.target  # a graphed step's static inputs, or None: fresh memory
 
         def prepare() -> None:
             # Fresh memory on every backend: the step must not alias a reusable host buffer.
             views: tuple[torch.Tensor, ...]
-            if target is None and type(data) is np.ndarray:
-                # A CPU map: the parts are views of the step's own array, made for this step
-                # alone at launch (numpy slices and from_numpy cost less than a tensor_split);
-                # the kind may read the numpy views too.
-                arrays = tuple(map(data.__getitem__, slices))
+            if data is None:
+                # A CPU map: the step's own arrays as tensors (the kind may read the arrays too).
                 views = tuple(map(torch.from_numpy, arrays))
                 if trailing >= 0:
                     rec.host_inputs = tuple.__new__(named, arrays + host_empties)

@@ -677,6 +677,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a CUDA map's step never packs its index data into the staging buffer: it reads an old step's",
     ),
     Mutant(
+        "staging-parts-aliased",
+        "tfuture/streams/staging.py",
+        "return tuple(map(np.array, parts, repeat(_I64)))",
+        "return tuple(map(np.asarray, parts, repeat(_I64)))",
+        ("tests/runtime/test_resolved_inputs.py",),
+        "a CPU map's step stages its batch's own arrays: the resolve writes into the scheduler's tokens",
+    ),
+    Mutant(
         "staging-head-kept-after-growth",
         "tfuture/streams/staging.py",
         "self.data, self.array, self._head, self._head_n = data, data.numpy(), None, -1",

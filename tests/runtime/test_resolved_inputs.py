@@ -51,3 +51,57 @@ def test_each_request_is_fed_its_prompt_then_its_own_tokens(overlap, stream, pat
     for spec in specs:
         out = sched.outputs[spec.rid]
         assert model.fed[spec.rid] == spec.prompt.tolist() + out[:-1], spec.rid
+
+
+class ReusesItsArrays:
+    """Decodes ``n`` requests for ``steps`` steps, handing every batch the same position and id
+    arrays, and writing over them as soon as ``schedule`` returns the next one (legal: a batch's
+    arrays are the scheduler's; the runtime stages its own copy at launch)."""
+
+    def __init__(self, n: int, steps: int) -> None:
+        self.n, self.left = n, steps
+        self.pos = np.zeros(n, dtype=np.int64)
+        self.ids = np.arange(n, dtype=np.int64)
+        self.tokens = np.ones(n, dtype=np.int64)  # step k feeds token k + 1
+        self.last = None
+
+    def schedule(self):  # type: ignore[no-untyped-def]
+        from tfuture.core.batch import Batch
+
+        if self.last is not None:
+            self.pos += 1  # the previous batch's arrays, rewritten after its launch
+            self.tokens += 1
+        if not self.left:
+            return None
+        self.left -= 1
+        self.last = Batch(self.tokens, np.ones(self.n, np.int64), self.pos, self.ids, np.ones(self.n, bool))
+        return self.last
+
+    def process(self, result) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def build_mask(self, batch):  # type: ignore[no-untyped-def]
+        return None
+
+
+class FedPositions(ToyModel):
+    def __init__(self) -> None:
+        super().__init__(vocab=VOCAB)
+        self.seen: list[tuple[list[int], list[int]]] = []
+
+    def forward(self, batch):  # type: ignore[no-untyped-def]
+        self.seen.append((batch.input_ids.tolist(), batch.positions.tolist()))
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("path", ["kernels", "numpy"])
+def test_a_step_reads_its_own_copy_of_arrays_the_scheduler_rewrites_after_launch(path, monkeypatch):
+    if path == "numpy":
+        monkeypatch.setattr(_common, "INTERPRET", False)
+    fmap = FutureMap(32, device="cpu")
+    model = FedPositions()
+    # The stream starts each step's prepare late: the host has rewritten the arrays by then.
+    delay = lambda name: 5e-3 if name == "prepare" else 0.0  # noqa: E731
+    OverlapRuntime(model, fmap, overlap=True, stream="worker", delay=delay).run(ReusesItsArrays(3, 4))
+    assert model.seen == [([k + 1] * 3, [k] * 3) for k in range(4)]
+    assert fmap.in_use == 0

@@ -118,14 +118,12 @@ def test_the_cuda_staging_path_gives_the_cpu_paths_tokens(stream):
 
 def test_staging_layouts_pack_the_non_empty_parts_and_are_cached():
     cache: dict = {}
-    # total words, cuts (each non-empty part's end but the last), non-empty parts, trailing
-    # empties, the non-empty parts' slices
-    two = (slice(0, 3), slice(3, 7))
-    assert staging_layout((3, 4, 0, 0), cache) == (7, (3,), 2, 2, two)
-    assert staging_layout((3, 0, 4), cache) == (7, (3,), 2, -1, two)  # an empty part between two
-    assert staging_layout((0, 0), cache) == (0, (), 0, 2, ())
-    assert staging_layout((5,), cache) == (5, (), 1, 0, (slice(0, 5),))
-    assert cache[(3, 0, 4)] == (7, (3,), 2, -1, two) and len(cache) == 4
+    # total words, cuts (each non-empty part's end but the last), non-empty parts, trailing empties
+    assert staging_layout((3, 4, 0, 0), cache) == (7, (3,), 2, 2)
+    assert staging_layout((3, 0, 4), cache) == (7, (3,), 2, -1)  # an empty part between two
+    assert staging_layout((0, 0), cache) == (0, (), 0, 2)
+    assert staging_layout((5,), cache) == (5, (), 1, 0)
+    assert cache[(3, 0, 4)] == (7, (3,), 2, -1) and len(cache) == 4
     for n in range(1, 300):
         staging_layout((n, 1), cache)
     assert 1 <= len(cache) <= 256  # bounded: cleared when full

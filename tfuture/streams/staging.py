@@ -9,12 +9,16 @@ again only after the stream passed the marker recorded after the copy that last 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 import torch
 
 from tfuture.streams.backends import ForwardStream, Marker
+
+_I64 = np.dtype(np.int64)
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +76,13 @@ class StagingRing:
         return buf
 
 
+def fresh_parts(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """A CPU map's staged parts, each copied into a fresh int64 array the step owns (nothing to
+    reuse, so nothing to wait for): one copy per part costs less than packing them into one
+    array and slicing it again."""
+    return tuple(map(np.array, parts, repeat(_I64)))
+
+
 def fresh_words(words: np.ndarray, err: np.ndarray) -> tuple[np.ndarray, list[int]]:
     """A CPU map's step results ``[n]`` (int) as a fresh int64 array the step owns (nothing to
     reuse, so nothing to wait for), and its error flag ``[2]`` as two ints ``[count, worst]``."""
@@ -79,16 +90,16 @@ def fresh_words(words: np.ndarray, err: np.ndarray) -> tuple[np.ndarray, list[in
 
 
 #: A staging layout: total words, ``cuts`` (the end of each non-empty part but the last),
-#: the number of non-empty parts, how many empty parts follow them all (-1: an empty part
-#: lies between non-empty ones), and the non-empty parts' slices of the packed words.
-Layout = tuple[int, tuple[int, ...], int, int, tuple[slice, ...]]
+#: the number of non-empty parts, and how many empty parts follow them all (-1: an empty part
+#: lies between non-empty ones).
+Layout = tuple[int, tuple[int, ...], int, int]
 _MAX_LAYOUTS = 256
 
 
 def staging_layout(sizes: tuple[int, ...], cache: dict[tuple[int, ...], Layout]) -> Layout:
     """The layout of staged parts of ``sizes`` (words each), packed back to back with the empty
-    ones left out and split again on the stream (``torch.tensor_split`` at ``cuts``, or numpy
-    ``slices`` of a CPU map's array); kept in ``cache``, since a few shapes recur."""
+    ones left out and split again on the stream (``torch.tensor_split`` at ``cuts``); kept in
+    ``cache``, since a few shapes recur."""
     cut, cuts = 0, []
     for size in sizes:
         if size:
@@ -98,7 +109,7 @@ def staging_layout(sizes: tuple[int, ...], cache: dict[tuple[int, ...], Layout])
     # Empty parts get the shared empty tensor (a view costs about a microsecond each); when
     # they all come last (the usual case) the views are the split and a tuple of them.
     trailing = len(sizes) - n_live if not any(sizes[n_live:]) else -1
-    layout = (cut, tuple(cuts[:-1]), n_live, trailing, tuple(map(slice, [0, *cuts[:-1]], cuts)))
+    layout = (cut, tuple(cuts[:-1]), n_live, trailing)
     if len(cache) >= _MAX_LAYOUTS:
         cache.clear()
     cache[sizes] = layout
