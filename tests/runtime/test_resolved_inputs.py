@@ -101,7 +101,7 @@ def test_a_step_reads_its_own_copy_of_arrays_the_scheduler_rewrites_after_launch
     fmap = FutureMap(32, device="cpu")
     model = FedPositions()
     # The stream starts each step's prepare late: the host has rewritten the arrays by then.
-    delay = lambda name: 5e-3 if name == "prepare" else 0.0  # noqa: E731
+    delay = lambda name: 5e-3 if name == "prepare" else 0.0
     OverlapRuntime(model, fmap, overlap=True, stream="worker", delay=delay).run(ReusesItsArrays(3, 4))
     assert model.seen == [([k + 1] * 3, [k] * 3) for k in range(4)]
     assert fmap.in_use == 0
