@@ -13,6 +13,7 @@ from support import worker_threads
 
 from tfuture import FutureMap, FutureMapFull
 from tfuture.core.batch import Batch
+from tfuture.kernels import _common
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import (
     ContinuousBatcher,
@@ -87,7 +88,34 @@ def test_transformer_overlap_equals_sync_under_delays():
     assert sum(len(t) for t in report.sync.values()) > 2 * len(specs)
 
 
-def test_outputs_match_plain_generation():
+@pytest.fixture(params=["kernels", "numpy"])
+def kernel_path(request, monkeypatch):
+    """A CPU map's two paths: the Triton kernels (the interpreter on a CPU machine, as the rest of
+    this file runs them) and the numpy path a CPU map takes outside the interpreter."""
+    if request.param == "numpy":
+        monkeypatch.setattr(_common, "INTERPRET", False)
+    return request.param
+
+
+@pytest.mark.parametrize(("wl", "kw"), [WORKLOADS[0], WORKLOADS[1], WORKLOADS[4]])
+def test_overlap_equals_sync_on_the_numpy_path(wl, kw, monkeypatch):
+    # test_overlap_equals_sync runs the kernels (the interpreter); this is a CPU map's own path.
+    monkeypatch.setattr(_common, "INTERPRET", False)
+    wl = dict(wl)
+    seed = wl.pop("seed")
+    specs = random_workload(seed, wl.pop("n"), vocab=VOCAB, max_new=10, **wl)
+    report = assert_equivalent(
+        lambda: ToyModel(vocab=VOCAB),
+        specs,
+        delay=random_delay(seed, ops=DELAYS["delay-all"]),
+        grammar=ToyGrammar(VOCAB, seed=seed),
+        capacity=32,
+        **kw,
+    )
+    assert set(report.sync) == {s.rid for s in specs}
+
+
+def test_outputs_match_plain_generation(kernel_path):
     specs = random_workload(11, 8, vocab=VOCAB, max_new=12)
     model = ToyModel(vocab=VOCAB)
     outputs, *_ = run_workload(model, specs, overlap=True, capacity=32, max_running=4, eos=0)
