@@ -270,8 +270,8 @@ class OverlapRuntime:
             if hasattr(batch, "step"):
                 batch.step = self._step  # for the kind's messages; -1 again if the launch fails
             plan = kind.plan(batch)
-            # One host buffer and one H2D copy for all of the step's index data: the non-empty
-            # parts back to back; ``cuts`` ends each one but the last (tensor_split's indices).
+            # On CUDA one host buffer and one H2D copy for all of the step's index data: the
+            # non-empty parts back to back; ``cuts`` ends each one but the last (tensor_split's).
             parts = plan.inputs
             sizes = tuple(map(_SIZE, parts))
             layout = self._layouts.get(sizes)
@@ -377,7 +377,8 @@ class OverlapRuntime:
 
     def _sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
         """The kind's sample ops, then the D2H copy of results and error flag into a staging
-        buffer of the output ring (acquired here: it waits until its last copy ran)."""
+        buffer of the output ring (acquired here: it waits until its last copy ran); on a CPU
+        map, into fresh memory the step owns (:func:`tfuture.streams.staging.fresh_words`)."""
         stream, fmap, kind = self._stream, self.fmap, self.kind
         assert stream is not None
         ops = kind.sample_ops(rec, mask)
@@ -389,7 +390,7 @@ class OverlapRuntime:
             assert err is not None
 
             def copy_cpu() -> None:
-                # A CPU map: results and error flag in a fresh array the step owns (no ring).
+                # A CPU map: the results as a fresh array the step owns, the flag as two ints.
                 words = kind.result_array(rec)
                 if words is None or words.size != n:
                     buf = torch.empty(n, dtype=torch.int64)

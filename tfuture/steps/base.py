@@ -64,8 +64,8 @@ class InFlight:
     state: Any
     staging: Staging | None = None  # the output staging buffer (None on a CPU map)
     words: tuple[np.ndarray, list[int]] | None = None  # a CPU map's results and error flag (copy op)
-    #: A CPU map: the step's staged parts (the plan's NamedTuple) as numpy views of the step's
-    #: own array, the memory of the device views ``prepare`` gets; else None.
+    #: A CPU map: the step's staged parts (the plan's NamedTuple) as the step's own fresh numpy
+    #: arrays, the memory of the device views ``prepare`` gets; else None.
     host_inputs: Any = None
     copy_done: Marker | None = None
     n_result: int = 0
@@ -118,8 +118,8 @@ class StepKind(ABC):
     def result_array(self, rec: InFlight) -> np.ndarray | None:
         """On the stream of a CPU map: the ``[n_result]`` integer results that :meth:`copy_result`
         would copy, as a numpy array (a view of their tensor), when they are one tensor; the
-        runtime then copies them with the error flag in one op. None (the default): the runtime
-        calls :meth:`copy_result`."""
+        runtime then copies them straight into fresh memory the step owns. None (the default):
+        the runtime calls :meth:`copy_result`."""
         return None
 
     @abstractmethod

@@ -1,10 +1,10 @@
 """Host staging buffers for the runtime's copies, reused only after the copy that used them.
 
 A step packs its index data into an input buffer that the forward stream copies to the
-device (a CPU map's step gets a fresh array instead: no buffer to reuse), and gets its
-sampled tokens back into an output buffer. On CUDA both are pinned, so the copies are truly
-asynchronous, and that makes reuse dangerous: a buffer is handed out
-again only after the stream passed the marker recorded after the copy that last used it.
+device, and gets its sampled tokens back into an output buffer (a CPU map's step gets fresh
+arrays instead, :func:`fresh_parts` and :func:`fresh_words`: no buffer to reuse). On CUDA both
+are pinned, so the copies are truly asynchronous, and that makes reuse dangerous: a buffer is
+handed out again only after the stream passed the marker recorded after the copy that last used it.
 """
 
 from __future__ import annotations
