@@ -13,7 +13,7 @@ step was launched):
   (the CPU worker thread) and, on a GPU, ``auto`` (CUDA streams).
 * ``hand_<mode>``: :class:`perf.decode.HandLoop`, the same tensor work on a ``FutureMap`` with
   no runtime: alloc, the step's index data in a reusable staging buffer, one H2D copy (on a
-  CPU map, as the runtime does, a fresh array and no copy), the decode prepare, forward,
+  CPU map a fresh array and no copy, split on the stream), the decode prepare, forward,
   sample, store, the D2H copy of tokens and error flag, release.
   Inline on CPU (a side stream on a GPU).
 * ``floor_<mode>``: the hand loop that also builds, per step, the checked ``Batch`` a scheduler

@@ -163,8 +163,8 @@ class HandLoop:
 
     Per step, on the host: the tokens (the placeholders of the last unread step's ``out``,
     filtered as :class:`DecodeScheduler` does, or the concrete tokens last read), ``alloc``, the
-    step's index data written into a reusable staging buffer (on a CPU map, as the runtime
-    stages, into a fresh array the step owns: no copy). On the stream, as one unit of work: one
+    step's index data written into a reusable staging buffer (on a CPU map into one
+    fresh array the step owns: no copy). On the stream, as one unit of work: one
     H2D copy (none on a CPU map), the decode step's prepare as the runtime does it (``launch_resolve`` of
     the tokens in place; positions and last rows are views of the staged data), the model's
     ``forward`` and ``sample``, ``store``, the D2H copy of tokens and error flag. The consumed
@@ -239,7 +239,7 @@ class HandLoop:
                     batch = Batch(ids, self.ones, positions.copy(), self.req_ids, keep, consumes=consumes)
                 out = fmap.alloc(n)
                 k = step % self.N_STAGING
-                # As the runtime stages: a CPU map's step gets a fresh array (no staging copy).
+                # A CPU map's step gets a fresh array (no staging copy), split on the stream.
                 a = np.empty(6 * n + 1, dtype=np.int64) if on_cpu else ins[k]
                 a[:n] = ids
                 a[n : 2 * n + 1] = self.seg_starts
@@ -291,7 +291,7 @@ class HandLoop:
         on_cpu = fmap.device.type == "cpu"
 
         def ops() -> None:
-            # As the runtime stages: the step's own array for a CPU map, else one H2D copy.
+            # The step's own array for a CPU map, else one H2D copy.
             if on_cpu:
                 dev_in = torch.from_numpy(staged)
             else:

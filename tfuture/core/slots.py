@@ -152,17 +152,6 @@ class SlotPool:
         else:
             np.add.at(self._refs, slots, 1)
 
-    def unref_run(self, start: int, n: int, want_freed: bool) -> np.ndarray | None:
-        """Drop one reference on slots ``start .. start + n - 1``; the freed slots if asked."""
-        run = self._refs[start : start + n]
-        run -= 1
-        if want_freed:
-            freed = np.flatnonzero(run == 0) + start
-            self._in_use -= int(freed.size)
-            return freed
-        self._in_use -= n - int(_count_nonzero(run))
-        return None
-
     def unref(self, slots: np.ndarray, distinct: bool, want_freed: bool) -> np.ndarray | None:
         """Drop one reference per entry of ``slots``; the freed slots (distinct) if asked."""
         refs = self._refs
