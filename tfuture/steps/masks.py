@@ -1,15 +1,17 @@
-"""Checks and shaping of a token step's sampler inputs on the host: the forward's logits, and
-the mask a delayed step's scheduler builds (a bool ``[rows, vocab]`` mask or a packed int32
-``[rows, ceil(vocab / 32)]`` bitmask)."""
+"""Checks and shaping of a token step's sampler inputs: the forward's logits, and the mask a
+delayed step's scheduler builds (a bool ``[rows, vocab]`` mask or a packed int32
+``[rows, ceil(vocab / 32)]`` bitmask), taken on the host and readied for the forward stream."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 
 from tfuture.kernels.bitmask import empty_bitmask_rows
 
-__all__ = ["check_logits", "check_mask", "check_rows", "check_width", "widen"]
+__all__ = ["check_logits", "check_mask", "check_rows", "check_width", "mask_on_stream", "ready_mask", "widen"]
 
 
 def check_logits(logits: object, n: int, step: int) -> torch.Tensor:
@@ -83,3 +85,40 @@ def check_rows(t: torch.Tensor, reqs: np.ndarray, step: int, vocab: int | None) 
             f"build_mask of step {step}: the mask row of request id {int(reqs[empty[0]])} "
             f"(mask row {int(empty[0])}) allows no token ({empty.size} such row(s))"
         )
+
+
+def ready_mask(state: Any, mask: object, step: int, vocab: int | None, to_cuda: bool) -> None:
+    """HOST: check a delayed step's mask into ``state.mask`` (a
+    :class:`tfuture.steps.token_state.TokenState`): every row of ``state.mask_rows`` allows a
+    token, and the width when ``vocab`` is known; rows the mask does not cover are widened in.
+    ``to_cuda``: ready it for a CUDA forward stream (pinned, or an event after its producer)."""
+    reqs = state.host.req_ids[state.sample_reqs[state.mask_rows]]
+    state.mask = check_mask(mask, reqs, step, vocab)
+    if vocab is None and not state.mask.is_cuda:
+        # Not known before the first sample: rows that allow only padding bits (tokens
+        # past the vocab) are found on the stream, from this host tensor (no sync).
+        state.unchecked = reqs
+    if state.mask_rows.size < state.late.size:
+        state.mask = widen(state.mask, state.mask_rows, state.late.size)
+    if not to_cuda:
+        return
+    if state.mask.is_cuda:
+        # Built on the caller's stream: the forward stream must wait for it.
+        state.mask_ready = torch.cuda.Event()
+        state.mask_ready.record()
+    else:
+        # Pinned (torch's caching host allocator keeps it until the copy ran): a truly
+        # async H2D copy, where pageable memory may make the host wait.
+        state.mask = state.mask.pin_memory()
+
+
+def mask_on_stream(state: Any, step: int, device: torch.device) -> torch.Tensor:
+    """FORWARD STREAM: ``state.mask`` on ``device``, after its producer's event, its rows checked
+    against the logits' vocab first when the host could not check them (``state.unchecked``)."""
+    if state.unchecked is not None:
+        vocab = int(check_logits(state.logits, state.n_sample, step).shape[1])
+        check_width(state.mask, vocab, step)
+        check_rows(state.mask, state.unchecked, step, vocab)
+    if state.mask_ready is not None:
+        torch.cuda.current_stream(state.mask.device).wait_event(state.mask_ready)
+    return state.mask.to(device, non_blocking=True)

@@ -21,7 +21,7 @@ from tfuture.sampling import Sampler
 from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
 from tfuture.steps.checks import check_placeholders, check_sampled
 from tfuture.steps.graphs import StepGraphs, capture, graph_run, plan_graphed
-from tfuture.steps.masks import check_logits, check_mask, check_rows, check_width, widen
+from tfuture.steps.masks import check_logits, check_width, mask_on_stream, ready_mask
 from tfuture.steps.samplers import SamplePath, sample_path
 from tfuture.steps.token_state import _ARANGE, _NO_ROWS, Buckets, TokenInputs, TokenState, _arange
 
@@ -157,11 +157,9 @@ class TokenStep(StepKind):
         return state, inputs
 
     def _split_rows(self, batch: Batch, sample_reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``."""
+        """``(late, now, mask_rows)`` of :class:`TokenState`, indices into ``sample_reqs``, for a
+        batch where some request waits (:meth:`plan_batch` takes the usual case itself)."""
         rows = _arange(sample_reqs.size)
-        delayed = batch.delayed
-        if delayed.base is NOTHING_WAITS or not count_nonzero(delayed):  # the common case
-            return _NO_ROWS, rows, _NO_ROWS
         waits = batch.delayed[sample_reqs]
         n_waits = int(count_nonzero(waits))
         if n_waits == 0:
@@ -297,27 +295,9 @@ class TokenStep(StepKind):
         vocab is known) and ready it for the stream (pinned, or an event after its producer)."""
         if mask is None:
             return
-        state = rec.state
-        reqs = state.host.req_ids[state.sample_reqs[state.mask_rows]]
-        vocab = self._vocab if self._vocab is not None else self.path.vocab
-        state.mask = check_mask(mask, reqs, rec.step, vocab)
-        if vocab is None and not state.mask.is_cuda:
-            # Not known before the first sample: rows that allow only padding bits (tokens
-            # past the vocab) are found on the stream, from this host tensor (no sync).
-            state.unchecked = reqs
-        if state.mask_rows.size < state.late.size:
-            state.mask = widen(state.mask, state.mask_rows, state.late.size)
         assert self.fmap is not None
-        if not self.samples or self.fmap.device.type != "cuda":
-            return
-        if state.mask.is_cuda:
-            # Built on the caller's stream: the forward stream must wait for it.
-            state.mask_ready = torch.cuda.Event()
-            state.mask_ready.record()
-        else:
-            # Pinned (torch's caching host allocator keeps it until the copy ran): a truly
-            # async H2D copy, where pageable memory may make the host wait.
-            state.mask = state.mask.pin_memory()
+        vocab = self._vocab if self._vocab is not None else self.path.vocab
+        ready_mask(rec.state, mask, rec.step, vocab, self.samples and self.fmap.device.type == "cuda")
 
     def sample(self, rec: InFlight) -> None:
         """FORWARD STREAM: the step's (late) rows with the mask, then the sampler's record."""
@@ -332,14 +312,8 @@ class TokenStep(StepKind):
         else:
             mask_dev = None
             if state.mask is not None:
-                if state.unchecked is not None:
-                    vocab = int(check_logits(state.logits, state.n_sample, rec.step).shape[1])
-                    check_width(state.mask, vocab, rec.step)
-                    check_rows(state.mask, state.unchecked, rec.step, vocab)
-                if state.mask_ready is not None:
-                    torch.cuda.current_stream(state.mask.device).wait_event(state.mask_ready)
                 assert self.fmap is not None
-                mask_dev = state.mask.to(self.fmap.device, non_blocking=True)
+                mask_dev = mask_on_stream(state, rec.step, self.fmap.device)
             self._sample_rows(rec, state.late_dev if state.split else None, mask_dev)
         if path.records:
             state.clean = state.sampled.clamp(min=0)
