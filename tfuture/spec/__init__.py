@@ -10,7 +10,16 @@ step, scheduled before the host saw this one, reads them there.
 
 from tfuture.spec.batch import DraftBatch, DraftResult
 from tfuture.spec.drafter import DraftContext, Drafter
+from tfuture.spec.model_drafter import ModelDrafter
 from tfuture.spec.ngram import NGramDrafter
 from tfuture.spec.step import SpecTokenStep
 
-__all__ = ["DraftBatch", "DraftContext", "DraftResult", "Drafter", "NGramDrafter", "SpecTokenStep"]
+__all__ = [
+    "DraftBatch",
+    "DraftContext",
+    "DraftResult",
+    "Drafter",
+    "ModelDrafter",
+    "NGramDrafter",
+    "SpecTokenStep",
+]

@@ -24,6 +24,9 @@ _NONE = np.empty(0, dtype=np.int64)
 
 
 def _counts(name: str, a: object, n: int) -> np.ndarray:
+    """``a`` as ``[n]`` int64 counts >= 0 (an empty array: zeros), else a clear error."""
+    if isinstance(a, np.ndarray) and a.size == 0 and a.ndim == 1:
+        return np.zeros(n, dtype=np.int64)
     if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
         got = f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
         raise TypeError(f"DraftBatch.{name} must be a 1-D integer numpy array, got {got}")
@@ -55,12 +58,8 @@ class DraftBatch(Batch):
     def __post_init__(self) -> None:
         Batch.__post_init__(self)
         n = self.seg_lens.size
-        v = self.n_verify = (
-            np.zeros(n, np.int64) if not self.n_verify.size else _counts("n_verify", self.n_verify, n)
-        )
-        d = self.n_draft = (
-            np.zeros(n, np.int64) if not self.n_draft.size else _counts("n_draft", self.n_draft, n)
-        )
+        v = self.n_verify = _counts("n_verify", self.n_verify, n)
+        d = self.n_draft = _counts("n_draft", self.n_draft, n)
         bad = np.flatnonzero(((v > 0) | (d > 0)) & ~self.sample)
         if bad.size:
             q = int(bad[0])
