@@ -14,15 +14,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tfuture import FutureMap  # noqa: E402
-from tfuture.core.params import SamplingParams  # noqa: E402
-from tfuture.examples.hf import build_llama  # noqa: E402
-from tfuture.models import HFCausalLM  # noqa: E402
-from tfuture.runtime import OverlapRuntime  # noqa: E402
-from tfuture.sampling import Sampler  # noqa: E402
-from tfuture.spec import DraftContext, ModelDrafter, NGramDrafter, SpecTokenStep  # noqa: E402
-from tfuture.testing import ContinuousBatcher, RequestSpec  # noqa: E402
-from tfuture.testing.faults import FaultPlan  # noqa: E402
+from tfuture import FutureMap
+from tfuture.core.params import SamplingParams
+from tfuture.examples.hf import build_llama
+from tfuture.models import HFCausalLM
+from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
+from tfuture.spec import DraftContext, ModelDrafter, NGramDrafter, SpecTokenStep
+from tfuture.testing import ContinuousBatcher, RequestSpec
+from tfuture.testing.faults import FaultPlan
 
 VOCAB, ROWS, MAX_LEN = 96, 4, 160
 NO_STOP = 10**9
@@ -117,7 +117,7 @@ def test_greedy_equals_plain_and_generate(model: Any, name: str, overlap: bool) 
 def test_ngram_drafts_cut_model_steps_on_a_repetitive_workload(model: Any) -> None:
     # A prompt that is its own continuation under this model: the greedy output, fed back, repeats.
     specs = workload(n=2, max_new=24)
-    plain, plain_stats = run(model, specs)
+    plain, _ = run(model, specs)
     looped = [RequestSpec(s.rid, 0, np.concatenate([s.prompt, plain.outputs[s.rid]] * 2), 24) for s in specs]
     base, base_stats = run(model, looped)
     spec, stats = run(model, looped, NGramDrafter(k=4))
@@ -140,7 +140,7 @@ def test_a_stop_token_inside_an_accepted_run_truncates_there(model: Any) -> None
     stop = plain.outputs[0][6]  # a token request 0 generates at its 7th position
     want, _ = run(model, specs, eos=stop)
     twin = ModelDrafter(copy.deepcopy(model), k=4)  # accepts every draft: runs of 5 tokens
-    got, stats = run(model, specs, twin, eos=stop)
+    got, _ = run(model, specs, twin, eos=stop)
     assert got.outputs == want.outputs
     assert got.outputs[0][-1] == stop and len(got.outputs[0]) <= 7
     assert got.finish_reasons == want.finish_reasons
