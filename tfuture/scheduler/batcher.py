@@ -242,6 +242,7 @@ class ContinuousBatcher:
         tokens: list[np.ndarray] = []
         seg, prefix, rids, sample = [], [], [], []
         by_batch: dict[int, tuple[Batch, list[int], list[tuple[int, int]]]] = {}
+        decodes: set[int] = set()  # requests whose segment names their last step's slots
         for i, (r, n, samples) in enumerate(rows):
             if r.fed < r.spec.prompt.size:
                 tokens.append(r.spec.prompt[r.fed : r.fed + n])
@@ -256,6 +257,7 @@ class ContinuousBatcher:
                     entry = by_batch.setdefault(id(b), (b, [], []))
                     entry[1].extend(range(row, row + n))
                     entry[2].append((i, n))
+                    decodes.add(i)
                     tokens.append(np.zeros(n, dtype=np.int64))
                 else:
                     tokens.append(np.array(r.out[-1:], dtype=np.int64))
@@ -274,11 +276,12 @@ class ContinuousBatcher:
         sample_mask = np.asarray(sample, dtype=bool)
         seg_lens = np.asarray(seg, dtype=np.int64)
         kw = {}
+        verify = None
         if self.speculative:
-            verify = np.where(seg_lens > 1, seg_lens - 1, 0) * np.asarray(
-                [r.fed >= r.spec.prompt.size and r.pending is not None for r, _, _ in rows], dtype=bool
-            )
-            kw = {"n_verify": verify.astype(np.int64), "n_draft": np.where(sample_mask, self.speculative, 0)}
+            # A decode verifies the drafts of its last step: every token of its segment but the first.
+            decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
+            verify = np.where(decode, seg_lens - 1, 0)
+            kw = {"n_verify": verify, "n_draft": np.where(sample_mask, self.speculative, 0)}
         batch = (DraftBatch if self.speculative else Batch)(
             np.concatenate(tokens),
             seg_lens,
@@ -294,7 +297,7 @@ class ContinuousBatcher:
         )
         self._ended = []
         need = 1 + self.speculative
-        extra = seg_lens[sample_mask] - 1 if self.speculative else None
+        extra = None if verify is None else verify[sample_mask]
         for row, r in enumerate(batch.tag):
             r.pending = (batch, row * need, need)
             r.n_pending += 1

@@ -192,7 +192,7 @@ class SpecTokenStep(TokenStep):
             params,
         )
         state.rp, state.width, state.n_verify = rp, width, v
-        state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + width
+        state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
         return StepPlan(n_out, staged, state, False)
 
     # -- forward stream ----------------------------------------------------------------------
