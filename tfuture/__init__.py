@@ -26,8 +26,8 @@ Layers, lowest first; a module imports only from its own layer or lower ones
 11. ``grammars``: the matcher protocol, bitmasks, the xgrammar adapter;
 12. ``runtime``: the loop; 13. ``scheduler``: ``ContinuousBatcher``, ``ServingScheduler``,
     ``GenerationParams``; 14. ``models`` (then ``spec.model_drafter`` and the ``spec`` package);
-    15. ``engine``: ``Engine``, ``generate``; 16. this package; 17. ``distributed``, 18. ``examples``, 19. ``testing`` (test tools: nothing else
-    imports them).
+    15. ``engine``: ``Engine``, ``generate``; 16. this package; 17. ``distributed``,
+    18. ``examples``, 19. ``testing`` (test tools: nothing else imports them).
 """
 
 from tfuture.core.batch import Batch, ForwardBatch, HostMeta, Model, Scheduler, StepResult
