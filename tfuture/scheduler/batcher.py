@@ -54,6 +54,9 @@ class _Req:
     pending: tuple[Batch, int, int] | None = None
     n_pending: int = 0  # launched but unprocessed sampling steps (each commits >= 1 token)
     pending_extra: int = 0  # drafts those steps verify: tokens they may commit beyond one each
+    steps: int = 0  # sampling steps processed (model steps that gave it tokens)
+    drafted: int = 0  # drafts it verified (speculative)
+    accepted: int = 0  # of those, accepted
     finished: bool = False
     matcher: Matcher | None = None  # a grammar request's position in its grammar
     admitted: bool = False  # its parameters went out with its first step
@@ -155,6 +158,8 @@ class ContinuousBatcher:
         self.finish_reasons: dict[int, str] = {}
         self.tick = 0
         self.extra_tokens = 0  # tokens sampled for already-finished requests, then discarded
+        self.drafted_tokens = 0  # drafts verified, over every request (speculative)
+        self.accepted_tokens = 0  # of those, accepted (before a finish cut an accepted run)
         self._ended: list[int] = []  # finished requests not reported in a Batch yet
 
     def _admit(self, spec: RequestSpec) -> _Req:
@@ -348,6 +353,12 @@ class ContinuousBatcher:
         for r, toks, v in zip(result.batch.tag, result.per_request(), result.n_drafted.tolist(), strict=True):
             r.n_pending -= 1
             r.pending_extra -= v
+            if not r.finished:
+                r.steps += 1
+                r.drafted += v
+                r.accepted += toks.size - 1
+                self.drafted_tokens += v
+                self.accepted_tokens += toks.size - 1
             for tok in toks.tolist():
                 if r.finished:
                     self.extra_tokens += 1
