@@ -160,6 +160,19 @@ def test_an_attention_call_whose_window_disagrees_with_the_config_is_refused_by_
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_window_changed_after_construction_fails_the_step_naming_the_layer():
+    model = tiny("MistralConfig", sliding_window=4)
+    adapter = HFCausalLM(model, max_requests=2, max_len=32)
+    model.config.sliding_window = 6  # Mistral's attention reads it at each call
+    try:
+        with pytest.raises(
+            ValueError, match=r"layer 0 attends with sliding_window=6, the KV pool gives it a window of 4"
+        ):
+            run_one(adapter, PROMPT, 2)
+    finally:
+        model.config.sliding_window = 4
+
+
 # -- rope that depends on the step ----------------------------------------------------------
 
 

@@ -106,20 +106,21 @@ def _pool_attention(
         return fn(module, query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
     if isinstance(layout, _Probe):
-        layer = getattr(module, "layer_idx", None)
-        layout.calls.append(_Call(layer, tuple(key.shape), tuple(value.shape), window))
+        idx = getattr(module, "layer_idx", None)
+        layout.calls.append(_Call(idx, tuple(key.shape), tuple(value.shape), window))
         return fn(module, query, key, value, attention_mask, **kwargs)
-    if window is not None and _binding(window, layout.pool.max_len) != layout.pool.windows[module.layer_idx]:
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    if window is not None and _binding(window, layout.pool.max_len) != layout.pool.windows[layer]:
         raise ValueError(  # the probe checked each layer at construction: a model changed since
-            f"layer {module.layer_idx} attends with sliding_window={window}, the KV pool masks it with "
-            f"window {layout.pool.windows[module.layer_idx]} (max_len={layout.pool.max_len})"
+            f"layer {layer} attends with sliding_window={window}, the KV pool gives it "
+            f"{_describe(layout.pool.windows[layer])} (max_len={layout.pool.max_len})"
         )
     kwargs["dropout"] = 0.0
 
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return fn(module, q, k, v, mask, **kwargs)[0]
 
-    return layout.attend(module.layer_idx, query, key, value, attn), None  # type: ignore[arg-type]
+    return layout.attend(layer, query, key, value, attn), None
 
 
 def _register(inner: str) -> str:
@@ -142,6 +143,10 @@ def _binding(window: object, max_len: int) -> int | None:
     if isinstance(window, int) and not isinstance(window, bool) and window < max_len:
         return window
     return None
+
+
+def _describe(window: int | None) -> str:
+    return "full attention" if window is None else f"a window of {window}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,8 +213,8 @@ def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
         if c.window is not None and _binding(c.window, max_len) != windows[c.layer]:
             raise ValueError(
                 f"{arch_}: layer {c.layer} attends with sliding_window={c.window!r}, its config gives it "
-                f"{'full attention' if windows[c.layer] is None else f'window {windows[c.layer]}'} "
-                f"(max_len={max_len}): the pooled attention cannot tell which one its masks follow; "
+                f"{_describe(windows[c.layer])} (max_len={max_len}): the pooled attention cannot tell "
+                "which one its masks follow; "
                 "not supported"
             )
     return shapes

@@ -114,7 +114,8 @@ def _rope_limits(module: Any, cfg: Any) -> list[tuple[str, int]]:
     """``(rope type, original context)`` of a rotary module's batch-dependent rope types."""
     types = module.rope_type
     per_type = types.items() if isinstance(types, dict) else [(None, types)]
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    params = params if isinstance(params, dict) else {}
     out = []
     for layer_type, rope_type in per_type:
         if not isinstance(rope_type, str) or not any(t in rope_type for t in _BATCH_ROPE):
@@ -127,7 +128,8 @@ def _rope_limits(module: Any, cfg: Any) -> list[tuple[str, int]]:
             getattr(cfg, "original_max_position_embeddings", None),
             getattr(cfg, "max_position_embeddings", None),
         ]
-        out.append((rope_type, min(v for v in found if isinstance(v, int))))
+        ints = [v for v in found if isinstance(v, int) and not isinstance(v, bool)]
+        out.append((rope_type, min(ints, default=0)))  # none named: no context is known safe
     return out
 
 
