@@ -15,8 +15,8 @@ explicit mask; without the adapter's step (``generate``, training) it is exactly
 
 Sliding-window layers (Mistral, Mixtral, Qwen2/Qwen3 with ``layer_types``, Gemma2, Gemma3,
 Phi-3, Starcoder2, gpt-oss) attend within their window as transformers masks them (see
-:mod:`tfuture.models.hf_config`; transformers >= 4.53). Keys and values may differ in shape
-(DeepSeek-V2/V3's latent attention): the pool holds each in its own.
+:mod:`tfuture.models.hf_config`; transformers >= 4.53, tested on 5.24.0). Keys and values may
+differ in shape (DeepSeek-V2/V3's latent attention): the pool holds each in its own.
 
 What is refused at construction (nothing of the model changes then): other limited attention
 below ``max_len`` (``attention_chunk_size``, other ``*window``/``*window_size`` keys, layer
@@ -214,8 +214,7 @@ def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
             raise ValueError(
                 f"{arch_}: layer {c.layer} attends with sliding_window={c.window!r}, its config gives it "
                 f"{_describe(windows[c.layer])} (max_len={max_len}): the pooled attention cannot tell "
-                "which one its masks follow; "
-                "not supported"
+                "which one its masks follow; not supported"
             )
     return shapes
 
