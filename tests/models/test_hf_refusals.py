@@ -29,6 +29,7 @@ from tfuture.models import HFCausalLM, KVPool  # noqa: E402
 from tfuture.runtime import OverlapRuntime  # noqa: E402
 from tfuture.testing import ContinuousBatcher, RequestSpec  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 64
 TINY = dict(
     vocab_size=VOCAB,

@@ -89,6 +89,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str, tuple[int | None, ...]]] = {
     "deepseek-v2": ("DeepseekV2Config", DEEPSEEK, "sdpa", (None, None)),
     "deepseek-v3": ("DeepseekV3Config", DEEPSEEK, "sdpa", (None, None)),
 }
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SPECS = random_workload(0, 4, vocab=VOCAB, max_prompt=10, max_new=8, arrival_span=3)
 
 
