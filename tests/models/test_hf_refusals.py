@@ -1,12 +1,14 @@
 """What ``HFCausalLM`` refuses at construction, and what its KV pool refuses at a step.
 
-* Sliding windows below ``max_len``, whatever config key declares them (Mistral, Phi-3,
-  Starcoder2 and Mixtral set ``sliding_window`` without ``layer_types``), and windows the probe
-  forward sees in the attention call; a window of at least ``max_len`` never binds and runs
-  token for token like ``generate``.
+* Limited attention the pooled attention does not reproduce, whatever config key declares it
+  (``attention_chunk_size``, other window keys, chunked layer types, bidirectional attention,
+  sliding windows where transformers < 4.53 masks per model), and an attention call whose window
+  disagrees with the config. Sliding windows themselves run (per layer, as ``layer_types`` and
+  ``sliding_window`` say; ``test_hf_windows.py`` runs them against transformers).
+* Rope types whose frequencies follow the longest position of the forward (``dynamic``,
+  ``longrope``) when ``max_len`` passes the original context.
 * Architectures the pooled attention cannot serve, found by the one-token probe: StableLM and
-  Nemotron (layers that do not pass the attention kwargs), DeepSeek-V3 (latent attention: keys
-  and values of different head sizes). The model is left as it was.
+  Nemotron (layers that do not pass the attention kwargs). The model is left as it was.
 * A request that arrives with cached tokens but owns no KV row, and a step with more requests
   than the pool has rows: clear errors at that step, no row taken.
 """
