@@ -1,0 +1,214 @@
+"""Faults in a speculative run (``SpecTokenStep`` on a tiny Hugging Face Llama): an exception
+planted in each of its stream ops (``verify``, ``draft``, ``store``, ``draft_release``, and the
+token step's ``prepare`` and ``copy``) surfaces at the next sync with its own traceback, leaves
+no slot held and no thread alive, and a fresh run works; random delays on the speculative ops
+alone keep plain decoding's tokens; a drafter that returns the wrong thing is refused by name."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support import worker_threads
+
+from tfuture import FutureMap
+from tfuture.examples.hf import build_llama
+from tfuture.models import HFCausalLM
+from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
+from tfuture.spec import DraftContext, NGramDrafter, SpecTokenStep
+from tfuture.testing import ContinuousBatcher, RequestSpec
+from tfuture.testing.faults import FaultPlan, InjectedFault
+
+VOCAB, ROWS, MAX_LEN, K = 96, 4, 160, 3
+NO_STOP = 10**9
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return build_llama(vocab=VOCAB, hidden=48, layers=2, seed=0)
+
+
+def workload() -> list[RequestSpec]:
+    """Four self-quoting prompts over several ticks, of staggered lengths: requests end at
+    different steps, so later steps release drafter rows (``draft_release``)."""
+    rng = np.random.default_rng(0)
+    specs = []
+    for i in range(ROWS):
+        base = rng.integers(3, VOCAB, size=5 + i)
+        specs.append(RequestSpec(i, 2 * i, np.concatenate([base, base, base[:3]]), 4 + 3 * i))
+    return specs
+
+
+class RecordingPlan(FaultPlan):
+    """A fault plan that also records every ``(op, step)`` it was asked about."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def check(self, point: str, step: int) -> None:
+        self.seen.append((point, step))
+        super().check(point, step)
+
+
+def run(
+    model: Any, drafter: Any = None, *, overlap: bool = True, faults: FaultPlan | None = None
+) -> tuple[ContinuousBatcher, FutureMap]:
+    """The workload through the token step (plain) or the speculative step (``drafter``)."""
+    fmap = FutureMap(256)
+    hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
+    if drafter is None:
+        sched = ContinuousBatcher(workload(), fmap, eos=NO_STOP, max_running=ROWS, chunk=4)
+        OverlapRuntime(hf, fmap, overlap=overlap, trace=False, sampler=Sampler(), faults=faults).run(sched)
+        return sched, fmap
+    drafter.bind(ROWS, MAX_LEN, torch.device("cpu"))
+    step = SpecTokenStep(hf, drafter, Sampler())
+    sched = ContinuousBatcher(workload(), fmap, eos=NO_STOP, max_running=ROWS, chunk=4, speculative=K)
+    try:
+        OverlapRuntime(step, fmap, overlap=overlap, trace=False, faults=faults).run(sched)
+    finally:
+        # Whatever happened, the run gave every slot back.
+        assert fmap.in_use == 0 and fmap.free == fmap.capacity
+    return sched, fmap
+
+
+@pytest.fixture(scope="module")
+def plain(model: Any) -> dict[int, list[int]]:
+    sched, _ = run(model)
+    return sched.outputs
+
+
+@pytest.fixture(scope="module")
+def op_steps(model: Any) -> dict[bool, dict[str, list[int]]]:
+    """By overlap: the steps at which each stream op of a clean speculative run ran."""
+    out: dict[bool, dict[str, list[int]]] = {}
+    for overlap in (True, False):
+        plan = RecordingPlan()
+        run(model, NGramDrafter(k=K), overlap=overlap, faults=plan)
+        steps = out[overlap] = {}
+        for op, step in plan.seen:
+            steps.setdefault(op, []).append(step)
+    return out
+
+
+POINTS = ("verify", "draft", "store", "draft_release", "prepare", "copy")
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+@pytest.mark.parametrize("point", POINTS)
+def test_a_fault_in_a_speculative_op_surfaces_and_leaks_nothing(
+    model: Any,
+    plain: dict[int, list[int]],
+    op_steps: dict[bool, dict[str, list[int]]],
+    point: str,
+    overlap: bool,
+) -> None:
+    ran = op_steps[overlap].get(point)
+    assert ran, f"a clean run never ran {point!r}: the workload does not exercise it"
+    at = next((s for s in ran if s >= 3), ran[-1])
+    threads = threading.active_count()
+    plan = FaultPlan(seed=3, max_delay_s=5e-4, raise_at={point: at})
+    with pytest.raises(InjectedFault, match=rf"injected fault at {point} of step {at}") as info:
+        run(model, NGramDrafter(k=K), overlap=overlap, faults=plan)  # checks the map is empty
+    assert plan.injected[f"raise_{point}"] == 1
+    # The original traceback, from the forward stream's op, and a note naming the op and step.
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert frames[-1].name == "check" and frames[-1].filename.endswith("faults.py")
+    notes = getattr(info.value, "__notes__", [])
+    assert any(f"on the forward stream in '{point}' of step {at}" in n for n in notes), notes
+    assert not worker_threads() and threading.active_count() == threads
+    # Fresh objects run the workload to plain decoding's tokens.
+    again, _ = run(model, NGramDrafter(k=K), overlap=overlap)
+    assert again.outputs == plain
+
+
+def test_delays_on_the_speculative_ops_alone_keep_plains_tokens(
+    model: Any, plain: dict[int, list[int]]
+) -> None:
+    plan = FaultPlan(seed=7, max_delay_s=0.004, delay_ops=("verify", "draft", "store", "draft_release"))
+    sched, _ = run(model, NGramDrafter(k=K), faults=plan)
+    assert sched.outputs == plain
+    assert plan.injected["stream_delay"] > 0
+    assert sched.drafted_tokens > 0
+
+
+def test_host_delays_keep_plains_tokens(model: Any, plain: dict[int, list[int]]) -> None:
+    plan = FaultPlan(seed=8, max_delay_s=0.002, host_delay_s=0.002)
+    sched, _ = run(model, NGramDrafter(k=K), faults=plan)
+    assert sched.outputs == plain
+    assert plan.injected["host_delay"] > 0 and plan.injected["stream_delay"] > 0
+
+
+def test_an_unknown_fault_point_is_refused(model: Any) -> None:
+    with pytest.raises(ValueError, match="raise_at points must be among"):
+        run(model, NGramDrafter(k=K), faults=FaultPlan(raise_at={"verfiy": 2}))
+
+
+NEVER_RUN = (
+    "SpecTokenStep.stream_ops inherits TokenStep's 'sample', 'sample_now' and 'replay', which a "
+    "speculative step never submits (its sample is verify/draft/store; delayed rows and graphs "
+    "are refused), so FaultPlan.bind accepts raise_at/delay_ops naming them and the plan "
+    "silently injects nothing"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=NEVER_RUN)
+@pytest.mark.parametrize("op", ["sample", "sample_now", "replay"])
+def test_a_fault_point_the_speculative_step_never_runs_is_refused(model: Any, op: str) -> None:
+    plan = FaultPlan(raise_at={op: 2})
+    with pytest.raises(ValueError, match="raise_at points must be among"):
+        run(model, NGramDrafter(k=K), faults=plan)
+
+
+# ------------------------------------------------------------------ misbehaving drafters
+class ShapedDrafter(NGramDrafter):
+    """Prompt lookup whose ``draft`` result goes through ``bend`` first."""
+
+    def __init__(self, bend: Any) -> None:
+        super().__init__(k=K)
+        self.bend = bend
+
+    def draft(self, ctx: DraftContext) -> Any:
+        return self.bend(super().draft(ctx))
+
+
+@pytest.mark.parametrize(
+    ("bend", "got"),
+    [
+        (lambda d: d[:, :-1], rf"\(\d+, {K - 1}\)"),
+        (lambda d: d.reshape(-1), r"\(\d+,\)"),
+        (lambda d: d.T, rf"\({K}, \d+\)"),
+        (lambda d: d.tolist(), "list"),
+        (lambda d: d.numpy(), "ndarray"),
+    ],
+    ids=["short", "flat", "transposed", "list", "numpy"],
+)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_drafter_returning_the_wrong_thing_is_refused(
+    model: Any, bend: Any, got: str, overlap: bool
+) -> None:
+    threads = threading.active_count()
+    with pytest.raises(
+        ValueError, match=rf"the drafter's draft must return \[\d+, {K}\] token ids, got {got}"
+    ):
+        run(model, ShapedDrafter(bend), overlap=overlap)
+    assert not worker_threads() and threading.active_count() == threads
+
+
+@pytest.mark.parametrize(
+    "bend",
+    [lambda d: d + 10 * VOCAB, lambda d: -1 - d, lambda d: d.to(torch.float32)],
+    ids=["past_vocab", "negative", "float"],
+)
+def test_odd_draft_ids_cost_acceptance_only(model: Any, plain: dict[int, list[int]], bend: Any) -> None:
+    # Verification is exact for any proposal: ids outside the vocabulary are clamped into it.
+    sched, _ = run(model, ShapedDrafter(bend))
+    assert sched.outputs == plain
