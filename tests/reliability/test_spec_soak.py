@@ -1,0 +1,207 @@
+"""A small soak of speculative decoding with the real drafters on a tiny Hugging Face Llama:
+seeded episodes of a few dozen steps each (a few hundred in all), with random arrivals, chunked
+prefill, stop tokens inside accepted runs, aborts (while waiting, in prefill, mid-decode) and
+random stream and host delays, through :class:`tfuture.spec.SpecTokenStep` and a
+:class:`tfuture.scheduler.ServingScheduler`. Every request's output is checked against plain
+greedy decoding: equal, or for an aborted request a prefix of it; no slot or thread is left.
+
+The main soak (``soak.py``) runs the toy ``SpecStep``; the tiny Llama is too slow for its
+thousands of steps, hence this separate one.
+
+The drafter gets twice the scheduler's ``max_running`` rows: a drafter row is released only
+after the step that admits the next request has taken its rows (the strict xfails in
+``tests/spec/test_spec_engine.py``), so with exactly ``max_running`` rows an admission right
+after a finish fails the run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support import worker_threads
+
+from tfuture import FutureMap
+from tfuture.core.params import SamplingParams
+from tfuture.examples.hf import build_llama
+from tfuture.models import HFCausalLM
+from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
+from tfuture.scheduler import RequestSpec, ServingScheduler, TokenUpdate
+from tfuture.spec import ModelDrafter, NGramDrafter, SpecTokenStep
+from tfuture.testing.faults import SPEC_POINTS, FaultPlan
+
+VOCAB, MAX_LEN, MAX_K = 96, 112, 4
+EPISODES = 8
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, Any]:
+    target = build_llama(vocab=VOCAB, hidden=48, layers=2, seed=0)
+    return {
+        "target": target,
+        "twin": copy.deepcopy(target),
+        "small": build_llama(vocab=VOCAB, hidden=32, layers=1, seed=3),
+    }
+
+
+@dataclass
+class Episode:
+    """One seeded episode: requests, when to abort which, the drafter and the run's settings."""
+
+    seed: int
+    specs: list[RequestSpec]
+    # rid -> abort once this many tokens were delivered to it (0: as soon as any update of any
+    # request arrives, so it may still wait or be in prefill)
+    aborts: dict[int, int]
+    drafter: str
+    k: int
+    max_running: int
+    chunk: int
+    token_budget: int
+    overlap: bool
+    plan_kw: dict[str, Any] = field(default_factory=dict)
+
+
+def prompt(rng: np.random.Generator) -> np.ndarray:
+    """A random prompt, half of the time quoting itself (prompt lookup then finds matches)."""
+    base = rng.integers(3, VOCAB, size=int(rng.integers(2, 12)))
+    if rng.random() < 0.5:
+        return base
+    return np.concatenate([base] * int(rng.integers(2, 4)) + [base[: int(rng.integers(1, base.size + 1))]])
+
+
+def make_episode(seed: int) -> Episode:
+    rng = np.random.default_rng([7, seed])
+    n = int(rng.integers(4, 11))
+    specs = []
+    for rid in range(n):
+        # top_k=1 with a temperature is greedy by another path (the rows' parameters).
+        params = SamplingParams(temperature=0.7, top_k=1, seed=rid) if rng.random() < 0.2 else None
+        specs.append(
+            RequestSpec(
+                rid, int(rng.integers(0, 3 * n)), prompt(rng), int(rng.integers(1, 25)), params=params
+            )
+        )
+    aborts = {s.rid: int(rng.integers(0, s.max_new)) for s in specs if rng.random() < 0.25 and s.max_new > 1}
+    chunk = int(rng.integers(2, 17))
+    plan_kw: dict[str, Any] = {"seed": seed}
+    if rng.random() < 0.5:
+        plan_kw["max_delay_s"] = float(rng.uniform(2e-4, 2e-3))
+        ops = rng.choice([*SPEC_POINTS, "draft_release"], int(rng.integers(1, 4)), replace=False)
+        plan_kw["delay_ops"] = tuple(str(op) for op in ops)
+    if rng.random() < 0.3:
+        plan_kw["host_delay_s"] = float(rng.uniform(2e-4, 2e-3))
+    return Episode(
+        seed,
+        specs,
+        aborts,
+        drafter=str(rng.choice(["ngram", "ngram", "ngram", "twin", "small"])),
+        k=int(rng.integers(1, MAX_K + 1)),
+        max_running=int(rng.integers(1, 7)),
+        chunk=chunk,
+        token_budget=int(rng.integers(chunk, 49)),
+        overlap=bool(rng.random() < 0.8),
+        plan_kw=plan_kw,
+    )
+
+
+def plain_greedy(models: dict[str, Any], specs: list[RequestSpec]) -> dict[int, list[int]]:
+    """Every request's plain greedy tokens to its length limit, no stop: one sync run, all at once."""
+    n = len(specs)
+    fmap = FutureMap(8 * n + 8)
+    free = [RequestSpec(s.rid, 0, s.prompt, s.max_new) for s in specs]
+    sched = ServingScheduler(fmap, free, max_running=n, chunk=64, token_budget=1024)
+    hf = HFCausalLM(models["target"], max_requests=n, max_len=MAX_LEN)
+    OverlapRuntime(hf, fmap, overlap=False, trace=False, sampler=Sampler()).run(sched)
+    assert fmap.in_use == 0
+    return {rid: c.token_ids for rid, c in sched.completions.items()}
+
+
+def with_stops(ep: Episode, free: dict[int, list[int]]) -> tuple[list[RequestSpec], dict[int, list[int]]]:
+    """Give about a third of the requests a stop token their plain output reaches (inside it,
+    where an accepted run may carry past it); their expected output ends at its first use."""
+    rng = np.random.default_rng([11, ep.seed])
+    specs, want = [], {}
+    for s in ep.specs:
+        out = free[s.rid]
+        stop: frozenset[int] = frozenset()
+        if len(out) > 2 and rng.random() < 0.35:
+            tok = out[int(rng.integers(1, len(out)))]
+            stop = frozenset({tok})
+            out = out[: out.index(tok) + 1]
+        specs.append(RequestSpec(s.rid, s.arrival, s.prompt, s.max_new, params=s.params, stop=stop))
+        want[s.rid] = out
+    return specs, want
+
+
+def make_drafter(ep: Episode, models: dict[str, Any]) -> Any:
+    if ep.drafter == "ngram":
+        return NGramDrafter(k=ep.k, max_ngram=min(3, ep.k + 1))
+    return ModelDrafter(models[ep.drafter], k=ep.k)
+
+
+def run_episode(ep: Episode, models: dict[str, Any]) -> int:
+    free = plain_greedy(models, ep.specs)
+    specs, want = with_stops(ep, free)
+    fmap = FutureMap(256)
+    updates: dict[int, list[int]] = {s.rid: [] for s in specs}
+    finals: dict[int, TokenUpdate] = {}
+    sched: ServingScheduler
+
+    def on_update(u: TokenUpdate) -> None:
+        assert u.rid not in finals, f"request {u.rid}: an update after its last one"
+        updates[u.rid] += u.tokens
+        if u.finished:
+            finals[u.rid] = u
+        for rid, at in ep.aborts.items():
+            if rid not in finals and len(updates[rid]) >= at:
+                sched.abort(rid)
+
+    sched = ServingScheduler(
+        fmap,
+        specs,
+        max_running=ep.max_running,
+        chunk=ep.chunk,
+        token_budget=ep.token_budget,
+        on_update=on_update,
+        speculative=ep.k,
+    )
+    drafter = make_drafter(ep, models)
+    drafter.bind(2 * ep.max_running, MAX_LEN, torch.device("cpu"))  # see the module docstring
+    hf = HFCausalLM(models["target"], max_requests=ep.max_running, max_len=MAX_LEN)
+    plan = FaultPlan(**ep.plan_kw)
+    runtime = OverlapRuntime(SpecTokenStep(hf, drafter, Sampler()), fmap, overlap=ep.overlap, faults=plan)
+    stats = runtime.run(sched)
+    where = f"episode {ep.seed} ({ep.drafter}, k={ep.k}, max_running={ep.max_running}, overlap={ep.overlap})"
+    assert fmap.in_use == 0, f"{where}: {fmap.in_use} slot(s) left"
+    assert not worker_threads(), f"{where}: a forward-stream thread outlived the run"
+    assert set(finals) == {s.rid for s in specs}, f"{where}: requests without a last update"
+    for s in specs:
+        done = finals[s.rid].completion
+        assert done is not None
+        got, w = done.token_ids, want[s.rid]
+        assert got == updates[s.rid], f"{where}: request {s.rid}'s updates do not add up"
+        if done.finish_reason == "abort":
+            assert s.rid in ep.aborts and got == w[: len(got)], f"{where}: request {s.rid} {got} vs {w}"
+        else:
+            reason = "stop" if s.stop and w[-1] in s.stop else "length"
+            assert (got, done.finish_reason) == (w, reason), f"{where}: request {s.rid}"
+    return stats.steps
+
+
+def test_speculative_soak(models: dict[str, Any]) -> None:
+    steps = 0
+    kinds = set()
+    for seed in range(EPISODES):
+        ep = make_episode(seed)
+        steps += run_episode(ep, models)
+        kinds.add(ep.drafter)
+    assert steps >= 200 and {"ngram", "twin"} <= kinds, (steps, kinds)
