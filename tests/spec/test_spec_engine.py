@@ -363,3 +363,52 @@ def test_new_requests_in_the_step_that_ends_aborted_ones(model: Any, looped: lis
         res = eng.generate(looped, greedy(12), on_tokens=on_tokens)
     assert [r.finish_reason for r in res][: len(looped)] == ["abort"] * len(looped)
     assert tokens(res)[len(looped) :] == want
+
+
+SKIPPED_DECODE = (
+    "a speculative decode that does not fit a step's token budget (its 1 + k tokens) is skipped, "
+    "but its drafts live only in the previous step's out slots, which the runtime releases once "
+    "the next step launched (OverlapRuntime keeps a keeps_out kind's out one step only): when the "
+    "request is scheduled again, FutureIndices.filter raises 'expected a live FutureIndices, got a "
+    "released one'"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=SKIPPED_DECODE)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_decode_skipped_for_token_budget_keeps_its_drafts(model: Any, overlap: bool) -> None:
+    # Two decodes of 1 + 4 tokens and a budget of 9: one of them waits a step, every step.
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    want = tokens(plain(model, prompts, greedy(6)))
+    got = tfuture.generate(
+        model, prompts, greedy(6), speculative=NGramDrafter(k=4), token_budget=9, overlap=overlap
+    )
+    assert tokens(got) == want
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=SKIPPED_DECODE)
+def test_a_decode_behind_a_prefill_chunk_keeps_its_drafts(model: Any) -> None:
+    # The long prompt's chunks (8 of a budget of 10) come first: the short request's decode waits.
+    prompts = [list(range(3, 43)), [5, 6, 7]]
+    want = tokens(plain(model, prompts, greedy(6)))
+    got = tfuture.generate(model, prompts, greedy(6), speculative=NGramDrafter(k=4), chunk=8, token_budget=10)
+    assert tokens(got) == want
+
+
+SMALL_BUDGET = (
+    "a token_budget below 1 + k (a speculative decode's segment) is accepted by Engine and "
+    "ContinuousBatcher, and the run then fails with 'ContinuousBatcher is stuck ... nothing fits "
+    "token_budget=4 with chunk=2', which names neither k nor the drafts"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=SMALL_BUDGET)
+def test_a_token_budget_below_one_plus_k_is_refused_or_served(model: Any) -> None:
+    want = tokens(plain(model, [[5, 6, 7, 5, 6, 7]], greedy(8)))
+    try:
+        eng = make_engine(model, NGramDrafter(k=4), token_budget=4, chunk=2)
+    except ValueError as e:  # refused when built, naming what is wrong
+        assert "token_budget" in str(e) and "k=4" in str(e)
+        return
+    with eng:  # or served (fewer drafts verified when the budget is short)
+        assert tokens(eng.generate([[5, 6, 7, 5, 6, 7]], greedy(8))) == want
