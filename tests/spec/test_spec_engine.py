@@ -6,6 +6,7 @@ sampling. Every greedy output is checked against plain decoding on an engine wit
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections import defaultdict
@@ -393,6 +394,23 @@ def test_a_decode_behind_a_prefill_chunk_keeps_its_drafts(model: Any) -> None:
     want = tokens(plain(model, prompts, greedy(6)))
     got = tfuture.generate(model, prompts, greedy(6), speculative=NGramDrafter(k=4), chunk=8, token_budget=10)
     assert tokens(got) == want
+
+
+LEAK = (
+    "when ContinuousBatcher._build raises on the released handle (the bug above), the handles it "
+    "filtered from other steps' outs before that one belong to no batch yet, so nothing releases "
+    "them: the engine's map keeps 5 slots in use after the failed run (once the bug above is "
+    "fixed this path is not reached: drop this test with it)"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=LEAK)
+def test_a_failed_speculative_schedule_leaks_no_slot(model: Any) -> None:
+    prompts = [list(range(3, 43)), [5, 6, 7]]
+    with make_engine(model, NGramDrafter(k=4), chunk=8, token_budget=10) as eng:
+        with contextlib.suppress(ValueError):  # the skipped-decode bug above
+            eng.generate(prompts, greedy(6))
+        assert eng.fmap.in_use == 0
 
 
 SMALL_BUDGET = (
