@@ -2,8 +2,9 @@
 six seeded episodes of a few dozen steps each (about 300 in all), with random arrivals, chunked
 prefill, stop tokens inside accepted runs, aborts (while waiting, in prefill, mid-decode) and
 random stream and host delays, through :class:`tfuture.spec.SpecTokenStep` and a
-:class:`tfuture.scheduler.ServingScheduler`. Every request's output is checked against plain
-greedy decoding: equal, or for an aborted request a prefix of it; no slot or thread is left.
+:class:`tfuture.scheduler.ServingScheduler`. Every greedy request's output is checked against
+plain greedy decoding, every seeded sampled request's against a sync speculative run without
+stops, aborts or delays: equal, or for an aborted request a prefix; no slot or thread is left.
 
 The main soak (``soak.py``) runs the toy ``SpecStep``; the tiny Llama is too slow for its
 thousands of steps, hence this separate one.

@@ -276,6 +276,29 @@ def test_a_draft_model_with_another_vocabulary_is_refused(model: Any) -> None:
         make_engine(model, ModelDrafter(other, k=2))
 
 
+def test_a_draft_adapter_with_too_few_rows_is_refused(model: Any) -> None:
+    from tfuture.models import HFCausalLM
+
+    small = HFCausalLM(copy.deepcopy(model), max_requests=1, max_len=32)
+    with pytest.raises(ValueError, match="the draft HFCausalLM has max_requests=1, max_len=32"):
+        make_engine(model, ModelDrafter(small, k=2))
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: NGramDrafter(k=0), r"NGramDrafter\(k=\) must be an int >= 1, got 0"),
+        (lambda: NGramDrafter(k=2, max_ngram=1, min_ngram=2), r"min_ngram=\) must be <= max_ngram=1"),
+        (lambda: ModelDrafter(object(), k=2), "needs a causal LM"),
+        (lambda: ModelDrafter(build_llama(vocab=VOCAB, hidden=32, layers=1), k=True), "must be an int >= 1"),
+    ],
+    ids=["k0", "ngram_range", "not_a_model", "bool_k"],
+)
+def test_bad_drafter_arguments_are_refused(make: Any, match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        make()
+
+
 # ------------------------------------------------------------------ modes and sampling
 def test_sync_gives_the_overlapped_tokens(model: Any, looped: list[list[int]]) -> None:
     want = tokens(plain(model, looped, greedy(16)))
