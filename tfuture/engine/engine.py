@@ -12,7 +12,9 @@ there is work and ends when there is none (no thread waits idle); requests added
 goes, from any thread, join that run. When a run fails, every live request finishes with
 reason ``"error"``: :meth:`Engine.generate` re-raises the exception (driving) or raises
 :class:`EngineError` from it (waiting), a stream raises :class:`EngineError` from it, and the
-engine stays usable for new requests.
+engine stays usable for new requests. A request's callback that raises (``on_tokens``, or
+``submit(callback=)``) ends that request only, with reason ``"error"`` and the exception; the
+engine serves the other requests on (the ``generate`` call it belongs to re-raises it).
 """
 
 from __future__ import annotations
@@ -166,7 +168,9 @@ class Engine:
     ) -> int:
         """Queue one request (thread-safe) and return its id. ``callback(update)`` hears its
         :class:`TokenUpdate` s on the runtime's host thread (token ids only: see
-        :meth:`stream` for text). Starts the background thread if nothing drives the engine."""
+        :meth:`stream` for text); if it raises, the request finishes with reason ``"error"``
+        (its last update carries the exception) and the others go on. Starts the background
+        thread if nothing drives the engine."""
         prepared = self._requests.prepare(prompt, params)
         collector: _Collector | None = getattr(self._local, "collector", None)
         return self._add_many([prepared], callback, collector)[0]
@@ -200,7 +204,10 @@ class Engine:
         ``params``: one :class:`GenerationParams` for all, a list of one per prompt, or None
         (the defaults). ``on_tokens(engine, update)`` hears every :class:`TokenUpdate` (with
         ``text`` when there is a tokenizer) on the runtime's host thread; it may
-        :meth:`submit` requests (they join this call's outputs) and :meth:`abort` them.
+        :meth:`submit` requests (they join this call's outputs; a refused one raises there
+        and is not waited for) and :meth:`abort` them. If it raises, that request ends with
+        reason ``"error"``, the call's other requests are aborted, and this call re-raises the
+        exception once they ended; other callers' requests are not touched.
         ``progress``: a tqdm bar over requests (None: only when stderr is a terminal and the
         call takes over a second, and only if tqdm is installed; True: always, needs tqdm).
         """
@@ -267,8 +274,10 @@ class Engine:
             try:
                 for p in items:
                     rid = next(self._ids)
-                    cb = callback if collector is None else collector.expect(rid, p.text, callback)
+                    cb = callback if collector is None else collector.callback(rid, callback)
                     self.scheduler.add(RequestSpec(rid, 0, p.ids, **p.spec_kw), cb)
+                    if collector is not None:  # only what the scheduler accepted is waited for
+                        collector.register(rid, p.text)
                     rids.append(rid)
             except BaseException:
                 for rid in rids:  # queued already: they finish as aborted at the next step

@@ -135,27 +135,51 @@ class _Collector:
         self.texts: dict[int, str | None] = {}
         self.done: dict[int, Completion] = {}
         self.decoders: dict[int, IncrementalDecoder] = {}
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the first error a request finished with
+        self.callback_error: Exception | None = None  # the first one on_tokens raised
+        self._failed: set[int] = set()  # requests whose callback raised
 
-    def expect(self, rid: int, text: str | None, also: UpdateCallback | None) -> UpdateCallback:
-        """Under the engine's lock: ``rid`` belongs to this call; its callback."""
+    def callback(self, rid: int, also: UpdateCallback | None) -> UpdateCallback:
+        """The scheduler's callback for request ``rid`` of this call (``also``: the callback it
+        was submitted with). One that raises ends that request with reason ``"error"`` (the
+        scheduler contains it); the call's other requests are aborted and :meth:`wait` re-raises
+        the exception. :meth:`register` the request once the scheduler accepted it."""
+
+        def callback(update: TokenUpdate) -> None:
+            try:
+                if rid not in self._failed:  # a failed callback does not hear its own error
+                    if also is not None:
+                        also(update)
+                    if self.on_tokens is not None:
+                        self._call(update)
+            except Exception as e:
+                self._callback_failed(rid, e)
+                raise
+            finally:
+                if update.finished:
+                    self._finished(update)
+
+        return callback
+
+    def register(self, rid: int, text: str | None) -> None:
+        """Under the engine's lock, once the scheduler accepted ``rid``: it belongs to this call
+        (a refused request is never waited for)."""
         self.order.append(rid)
         self.texts[rid] = text
         if self.bar is not None and len(self.order) > self.bar.total:
             self.bar.total = len(self.order)
             self.bar.refresh()
 
-        def callback(update: TokenUpdate) -> None:
-            try:
-                if also is not None:
-                    also(update)
-                if self.on_tokens is not None:
-                    self._call(update)
-            finally:
-                if update.finished:
-                    self._finished(update)
-
-        return callback
+    def _callback_failed(self, rid: int, error: Exception) -> None:
+        """``on_tokens`` (or a request's callback) raised: the call will raise ``error``, so its
+        other requests stop now instead of running to their limits."""
+        with self.engine._cond:
+            self._failed.add(rid)
+            if self.callback_error is None:
+                self.callback_error = error
+            left = [r for r in self.order if r not in self.done and r != rid]
+        for r in left:
+            self.engine.abort(r)
 
     def _call(self, update: TokenUpdate) -> None:
         assert self.on_tokens is not None
@@ -185,10 +209,13 @@ class _Collector:
             self.bar.update(1)
 
     def wait(self) -> None:
-        """Block (no polling) until every request of the call finished; raise if a run failed."""
+        """Block (no polling) until every request of the call finished; re-raise what a callback
+        of the call raised, or raise :class:`EngineError` if a run failed."""
         with self.engine._cond:
             while len(self.done) < len(self.order):
                 self.engine._cond.wait()
+        if self.callback_error is not None:
+            raise self.callback_error
         if self.error is not None:
             raise EngineError("the engine's run failed during generate()") from self.error
 

@@ -1,0 +1,164 @@
+"""The front door under misuse (issue 30): refused submissions inside ``on_tokens``, callbacks
+that raise, streams left with ``break``, requests past the model's context, and inputs that are
+not what the engine takes. Each ends correct or refused with a clear error, nothing leaked."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tfuture.engine.engine as engine_mod
+from tfuture import GenerationParams, TokenUpdate
+from tfuture.engine import Engine, EngineError
+from tfuture.testing import ToyGrammar, ToyModel
+
+VOCAB = 64
+
+
+def greedy(n: int, **kw: Any) -> GenerationParams:
+    return GenerationParams(max_tokens=n, temperature=0, **kw)
+
+
+def toy_engine(model: ToyModel | None = None, **kw: Any) -> Engine:
+    opts: dict[str, Any] = {"max_running": 4, "chunk": 4, "token_budget": 16, **kw}
+    return Engine(model or ToyModel(vocab=VOCAB), **opts)
+
+
+def reference(model: ToyModel, prompt: list[int], rid: int, n: int) -> list[int]:
+    return model.reference(np.asarray(prompt, dtype=np.int64), rid, n, None)
+
+
+def in_thread(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """``fn()`` on a daemon thread; fails (instead of hanging the suite) if it does not return
+    within ``timeout`` seconds."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"did not return within {timeout} s (hung)"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def idle(eng: Engine) -> None:
+    """The engine ends with nothing live, no slot held, no thread driving it."""
+    thread = eng._thread
+    if thread is not None:
+        thread.join(30)
+    assert eng.scheduler.live == [] and not eng.busy and eng.fmap.in_use == 0
+
+
+# ---------------------------------------------------------------- item 5: refused submit
+def test_a_submit_refused_inside_on_tokens_is_not_waited_for(monkeypatch):
+    # A model whose vocab the engine does not know: the grammar's vocab is checked by the
+    # scheduler (against the run's first grammar), after the request was prepared.
+    monkeypatch.setattr(engine_mod, "_vocab", lambda model: None)
+    refused: list[Exception] = []
+
+    def on_tokens(engine: Engine, u: TokenUpdate) -> None:
+        if u.rid == 0 and not refused:
+            try:
+                engine.submit([5, 6], greedy(3, grammar=ToyGrammar(32)))
+            except ValueError as e:
+                refused.append(e)
+
+    model = ToyModel(vocab=VOCAB)
+    with toy_engine(model) as eng:
+        params = greedy(6, grammar=ToyGrammar(VOCAB))
+        res = in_thread(lambda: eng.generate([[1, 2, 3]], params, on_tokens=on_tokens))
+        assert len(refused) == 1 and "grammar has vocab 32" in str(refused[0])
+        assert [o.rid for o in res] == [0] and res[0].finish_reason == "length"
+        idle(eng)
+
+
+# --------------------------------------------------------------- item 6: raising callbacks
+def test_a_raising_callback_ends_its_request_only_and_the_engine_serves_the_rest():
+    model = ToyModel(vocab=VOCAB, work_s=0.001)
+    boom = KeyError("callback bug")
+    heard: list[TokenUpdate] = []
+
+    def bad(u: TokenUpdate) -> None:
+        heard.append(u)
+        if len(heard) == 2:
+            raise boom
+
+    with toy_engine(model) as eng:
+        stream = eng.stream([[1, 2, 3], [4, 5]], greedy(12))  # another caller's requests
+        bad_rid = eng.submit([7, 8, 9], greedy(12), callback=bad)
+        updates = in_thread(lambda: list(stream))  # no EngineError: the run went on
+        got: dict[int, list[int]] = {}
+        for u in updates:
+            got.setdefault(u.rid, []).extend(u.tokens)
+            if u.finished:
+                assert u.finish_reason == "length" and u.error is None
+        for rid, p in zip(stream.rids, ([1, 2, 3], [4, 5]), strict=True):
+            assert got[rid] == reference(model, p, rid, 12)
+        idle(eng)
+        last = heard[-1]
+        assert last.finished and last.finish_reason == "error" and last.error is boom
+        assert last.completion is not None and last.completion.error is boom
+        assert len(heard) == 3, "the failed callback heard more than its error"
+        toks = [t for u in heard for t in u.tokens]
+        assert toks == reference(model, [7, 8, 9], bad_rid, 12)[: len(toks)] and len(toks) < 12
+        # The engine is still usable.
+        res = eng.generate([[1, 2]], greedy(4))
+        assert res[0].token_ids == reference(model, [1, 2], res[0].rid, 4)
+
+
+def test_on_tokens_that_raises_re_raises_in_its_generate_and_spares_other_callers():
+    model = ToyModel(vocab=VOCAB, work_s=0.001)
+
+    def on_tokens(engine: Engine, u: TokenUpdate) -> None:
+        if u.rid == 1 and len(u.tokens):
+            raise KeyError("on_tokens bug")
+
+    with toy_engine(model) as eng:
+        stream = eng.stream([[4, 5, 6]], greedy(30))
+        with pytest.raises(KeyError, match="on_tokens bug"):
+            in_thread(lambda: eng.generate([[1, 2], [3]], greedy(30), on_tokens=on_tokens))
+        updates = in_thread(lambda: list(stream))
+        assert updates[-1].finish_reason == "length"
+        assert [t for u in updates for t in u.tokens] == reference(model, [4, 5, 6], stream.rids[0], 30)
+        idle(eng)
+
+
+def test_a_run_failure_still_fails_every_request():
+    model = ToyModel(vocab=VOCAB, fail_at=2)
+    with toy_engine(model) as eng:
+        stream = eng.stream([[1, 2]], greedy(10))
+        with pytest.raises(EngineError):
+            in_thread(lambda: list(stream))
+        idle(eng)
+
+
+def test_a_callback_raising_on_its_last_update_is_warned_and_recorded():
+    from tfuture import FutureMap, OverlapRuntime, ServingScheduler
+    from tfuture.scheduler import RequestSpec
+
+    fmap = FutureMap(32, device="cpu")
+    sched = ServingScheduler(fmap, max_running=2)
+
+    def bad(u: TokenUpdate) -> None:
+        if u.finished:
+            raise ValueError("late bug")
+
+    sched.add(RequestSpec(0, 0, np.array([1, 2]), 4), bad)
+    sched.add(RequestSpec(1, 0, np.array([3]), 4))
+    with pytest.warns(RuntimeWarning, match="request 0's callback raised on its last update"):
+        OverlapRuntime(ToyModel(vocab=VOCAB), fmap).run(sched)
+    sched.end_run()
+    assert sched.completions[0].finish_reason == "error"
+    assert isinstance(sched.completions[0].error, ValueError)
+    assert sched.completions[1].finish_reason == "length" and fmap.in_use == 0
