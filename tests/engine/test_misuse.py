@@ -162,3 +162,45 @@ def test_a_callback_raising_on_its_last_update_is_warned_and_recorded():
     assert sched.completions[0].finish_reason == "error"
     assert isinstance(sched.completions[0].error, ValueError)
     assert sched.completions[1].finish_reason == "length" and fmap.in_use == 0
+
+
+# -------------------------------------------------------------- item 9: break out of a stream
+def final_updates(stream: Any, timeout: float = 30.0) -> dict[int, TokenUpdate]:
+    """The last update of each of the stream's requests, read from its queue (waits for them)."""
+    final: dict[int, TokenUpdate] = {}
+    while len(final) < len(stream.rids):
+        u = stream._q.get(timeout=timeout)
+        if u.finished:
+            final[u.rid] = u
+    return final
+
+
+def test_break_aborts_a_stream_still_held_in_a_variable():
+    with toy_engine() as eng:
+        stream = eng.stream([[1, 2, 3], [4]], greedy(3000))
+        seen = []
+        for u in stream:
+            seen.append(u)
+            break
+        assert seen and stream is not None  # still held
+        final = final_updates(stream)
+        assert {rid: u.finish_reason for rid, u in final.items()} == dict.fromkeys(stream.rids, "abort")
+        idle(eng)
+
+
+def test_next_then_a_for_loop_to_the_end_and_close_after_the_end_abort_nothing():
+    model = ToyModel(vocab=VOCAB)
+    with toy_engine(model) as eng:
+        stream = eng.stream([[1, 2, 3]], greedy(8))
+        first = next(stream)
+        rest = list(stream)
+        stream.close()
+        assert rest[-1].finished and rest[-1].finish_reason == "length"
+        toks = [t for u in [first, *rest] for t in u.tokens]
+        assert toks == reference(model, [1, 2, 3], stream.rids[0], 8)
+        # next() without a loop: close() stops it.
+        stream = eng.stream([[5]], greedy(100_000))
+        next(stream)
+        stream.close()
+        assert final_updates(stream)[stream.rids[0]].finish_reason == "abort"
+        idle(eng)

@@ -184,8 +184,10 @@ class Engine:
         """Submit ``prompts`` and iterate over their :class:`TokenUpdate` s as they are processed:
         ``for rid, tokens, finished in engine.stream(...)``, with ``update.text`` the new text
         when the engine has a tokenizer. The iterator blocks on a queue (no busy waiting), ends
-        when every request finished, and aborts the requests left when closed early (``break``,
-        ``close()``, garbage collection, an exception in the loop body)."""
+        when every request finished, and aborts the requests left when closed early:
+        ``break`` out of (or an exception in) a ``for`` loop over it, even with the stream
+        still held in a variable; ``close()``; ``with engine.stream(...) as s``; garbage
+        collection. A stream stepped with ``next()`` is stopped by ``close()`` (or ``with``)."""
         items = self._requests.prepare_all(prompts, params)
         q: queue.SimpleQueue[TokenUpdate] = queue.SimpleQueue()
         return TokenStream(self, self._add_many(items, q.put, None), q)

@@ -78,7 +78,12 @@ class GenerateResult:
 
 class TokenStream:
     """The iterator :meth:`Engine.stream` returns (see there); ``rids`` are its requests' ids.
-    Closing it (``close()``, ``with``, or dropping it) aborts the requests still running."""
+
+    Closing it aborts the requests still running: ``close()``, ``with``, dropping the stream,
+    and leaving a ``for`` loop over it early (``break``, ``return``, an exception in the body),
+    even while a variable still holds the stream: each ``for`` loop (``iter(stream)``) gets
+    its own iterator, which closes the stream when the loop drops it before the end. Stepping
+    with ``next(stream)`` has no loop to leave: call ``close()`` (or use ``with``) to stop."""
 
     def __init__(self, engine: EngineLike, rids: list[int], q: queue.SimpleQueue[TokenUpdate]) -> None:
         self.engine, self.rids, self._q = engine, rids, q
@@ -86,8 +91,21 @@ class TokenStream:
         tok = engine.tokenizer
         self._decoders = {rid: IncrementalDecoder(tok) for rid in rids} if tok is not None else None
 
-    def __iter__(self) -> TokenStream:
-        return self
+    def __iter__(self) -> Iterator[TokenUpdate]:
+        return self._loop()
+
+    def _loop(self) -> Iterator[TokenUpdate]:
+        """One ``for`` loop's iterator: when the loop drops it before the end (``break``), the
+        generator is closed at once (CPython frees it on the spot) and so is the stream."""
+        try:
+            while True:
+                try:
+                    update = next(self)
+                except StopIteration:
+                    return
+                yield update
+        finally:
+            self.close()  # aborts nothing when every request finished
 
     def __next__(self) -> TokenUpdate:
         if not self._open:
