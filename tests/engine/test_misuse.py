@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import tfuture
 import tfuture.engine.engine as engine_mod
 from tfuture import GenerationParams, TokenUpdate
 from tfuture.engine import Engine, EngineError
@@ -204,3 +205,50 @@ def test_next_then_a_for_loop_to_the_end_and_close_after_the_end_abort_nothing()
         stream.close()
         assert final_updates(stream)[stream.rids[0]].finish_reason == "abort"
         idle(eng)
+
+
+# ------------------------------------------------- item 11: inputs that are not what it takes
+@pytest.mark.parametrize(
+    ("field", "match"),
+    [
+        ("n", "does not take n= .*submit the prompt that many times"),
+        ("best_of", "does not take best_of="),
+        ("stop", "does not take stop= .*stop_token_ids"),
+        ("logprobs", "does not take logprobs= .*not supported"),
+        ("min_tokens", "does not take min_tokens= .*not supported"),
+        ("colour", "has no field 'colour'; its fields: max_tokens, temperature"),
+    ],
+)
+def test_generation_params_name_a_vllm_only_or_unknown_field(field, match):
+    with pytest.raises(TypeError, match=match):
+        GenerationParams(**{field: 2})
+    assert GenerationParams(7).max_tokens == 7  # positional and keyword fields still work
+
+
+def test_a_tokenizer_name_is_refused_without_a_download():
+    with pytest.raises(
+        TypeError, match=r"tokenizer must be a tokenizer object, got the str 'gpt2'.*from_pretrained"
+    ):
+        Engine(ToyModel(vocab=VOCAB), tokenizer="gpt2")
+    with pytest.raises(TypeError, match=r"got the str 'gpt2'"):
+        tfuture.generate(ToyModel(vocab=VOCAB), ["Hello"], tokenizer="gpt2")
+    with pytest.raises(TypeError, match="encode\\(text\\) and decode\\(ids\\)"):
+        Engine(ToyModel(vocab=VOCAB), tokenizer=object())
+
+
+def test_a_model_that_gives_no_logits_is_refused_by_name():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="plain torch Linear, not a causal LM"):
+        tfuture.generate(torch.nn.Linear(4, 4), [[1, 2]], greedy(2))
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    with pytest.raises(TypeError, match="LlamaModel, which has no language-model head"):
+        tfuture.generate(transformers.LlamaModel(cfg), [[1, 2]], greedy(2))

@@ -32,6 +32,7 @@ from tfuture.engine.detok import encode
 from tfuture.engine.inputs import (
     Prompt,
     _adapt,
+    _check_tokenizer,
     _count,
     _device,
     _eos,
@@ -84,9 +85,12 @@ class Engine:
     Args:
         model: a ``transformers`` causal LM (wrapped in :class:`tfuture.models.HFCausalLM` with
             ``max_running`` KV rows of ``max_len`` positions), an ``HFCausalLM``, or any
-            tfuture :class:`tfuture.Model`.
-        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``: text prompts,
-            output text, and structured output (xgrammar compiles for it).
+            tfuture :class:`tfuture.Model`. A model without a language-model head (a base
+            ``LlamaModel``, a classifier) or a plain torch layer raises ``TypeError``.
+        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer`` object (a name
+            such as ``"gpt2"`` is refused with a ``TypeError``: nothing is downloaded; pass
+            ``AutoTokenizer.from_pretrained(name)``): text prompts, output text, and
+            structured output (xgrammar compiles for it).
         max_running: requests running at once (more wait).
         max_len: positions per request (prompt plus ``max_tokens``), checked at submission.
             Default for a Hugging Face model: its ``max_position_embeddings``, at most 4096;
@@ -124,6 +128,7 @@ class Engine:
         delay: str = "batch",
         trace: bool = False,
     ) -> None:
+        _check_tokenizer(tokenizer)
         max_running = _count("max_running", max_running)
         if max_len is not None:
             max_len = _count("max_len", max_len)
@@ -383,6 +388,7 @@ def generate(
     and returns a :class:`GenerateResult`: per request ``token_ids``, ``text`` (with a
     tokenizer), ``finish_reason`` and ``timings``, and the run's ``stats``.
     """
+    _check_tokenizer(tokenizer)
     plist = _prompt_list(prompts)
     gp = _params_list(params, len(plist))
     if not plist:

@@ -6,6 +6,7 @@ end tokens, device and vocab found, the progress bar, the run's thread context a
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -40,8 +41,46 @@ def _is_hf_model(model: object) -> bool:
     return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
+def _check_tokenizer(tokenizer: Any) -> None:
+    """``TypeError`` unless ``tokenizer`` is None or an object that encodes and decodes (a name
+    is refused: nothing is loaded or downloaded at run time)."""
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, str | bytes | os.PathLike):
+        raise TypeError(
+            f"tokenizer must be a tokenizer object, got the {type(tokenizer).__name__} {tokenizer!r}: "
+            "tfuture loads nothing by name (no download); pass e.g. "
+            f"transformers.AutoTokenizer.from_pretrained({str(tokenizer)!r}) or a tokenizers.Tokenizer"
+        )
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(
+            "tokenizer must have encode(text) and decode(ids) (a transformers tokenizer or a "
+            f"tokenizers.Tokenizer), got {type(tokenizer).__name__}"
+        )
+
+
+def _check_model(model: Any) -> None:
+    """``TypeError`` for a model that gives no next-token logits: a plain torch layer, or a
+    Hugging Face model without a language-model head (a base ``LlamaModel``, a classifier)."""
+    if _is_hf_model(model):
+        get_head = getattr(model, "get_output_embeddings", None)
+        if not callable(get_head) or get_head() is None:
+            raise TypeError(
+                f"model is a {type(model).__name__}, which has no language-model head "
+                "(get_output_embeddings() is None), so it gives no next-token logits: load it with "
+                "transformers.AutoModelForCausalLM"
+            )
+    elif isinstance(model, torch.nn.Module) and type(model).__module__.startswith("torch."):
+        raise TypeError(
+            f"model is a plain torch {type(model).__name__}, not a causal LM: pass a transformers "
+            "causal LM (AutoModelForCausalLM), a tfuture.models.HFCausalLM, or a tfuture Model "
+            "(forward(batch: ForwardBatch) -> logits)"
+        )
+
+
 def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int | None]:
     """The model the runtime drives, and the positions a request may use (None: unchecked)."""
+    _check_model(model)
     if _is_adapter(model):
         pool = model.pool
         if pool.n_rows < max_running:
