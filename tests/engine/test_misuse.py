@@ -252,3 +252,57 @@ def test_a_model_that_gives_no_logits_is_refused_by_name():
     )
     with pytest.raises(TypeError, match="LlamaModel, which has no language-model head"):
         tfuture.generate(transformers.LlamaModel(cfg), [[1, 2]], greedy(2))
+
+
+# ---------------------------------------------------------------- item 3: the model's context
+def tiny_hf(kind: str, positions: int = 16) -> Any:
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=64,
+            n_positions=positions,
+            n_embd=32,
+            n_layer=1,
+            n_head=2,
+            bos_token_id=63,
+            eos_token_id=63,
+        )
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=positions,
+        )
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize(("kind", "key"), [("gpt2", "n_positions"), ("llama", "max_position_embeddings")])
+def test_generate_refuses_a_request_past_the_models_context(kind, key):
+    model = tiny_hf(kind, positions=16)
+    with pytest.raises(
+        ValueError,
+        match=rf"request 1: prompt of 4 tokens \+ max_tokens=13 = 17 positions "
+        rf"exceeds the model's context of 16 positions \(config.{key}\); ask for at most 12",
+    ):
+        tfuture.generate(model, [[1, 2], [1, 2, 3, 4]], [greedy(3), greedy(13)])
+    # At the context exactly: it runs, and ends by length.
+    res = tfuture.generate(model, [[1, 2, 3, 4]], greedy(12, ignore_eos=True))
+    assert len(res[0].token_ids) == 12 and res[0].finish_reason == "length"
+
+
+def test_an_engine_refuses_max_len_past_the_context_and_defaults_to_it():
+    model = tiny_hf("llama", positions=16)
+    with pytest.raises(
+        ValueError, match=r"max_len=10000 positions per request exceeds the model's context of 16"
+    ):
+        Engine(model, max_len=10000)
+    with Engine(model) as eng:
+        assert eng.max_len == 16
+        with pytest.raises(ValueError, match="exceeds max_len=16"):
+            eng.submit([1, 2, 3], greedy(14))

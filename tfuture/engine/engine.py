@@ -44,6 +44,7 @@ from tfuture.engine.inputs import (
     _prompt_list,
     _run_context,
     _vocab,
+    context,
 )
 from tfuture.engine.outputs import (
     EngineError,
@@ -92,9 +93,11 @@ class Engine:
             ``AutoTokenizer.from_pretrained(name)``): text prompts, output text, and
             structured output (xgrammar compiles for it).
         max_running: requests running at once (more wait).
-        max_len: positions per request (prompt plus ``max_tokens``), checked at submission.
-            Default for a Hugging Face model: its ``max_position_embeddings``, at most 4096;
-            for another model: unchecked.
+        max_len: positions per request (prompt plus ``max_tokens``), checked at submission
+            (a request past it raises ``ValueError``). Default for a Hugging Face model: its
+            context (``config.max_position_embeddings``, GPT-2's ``n_positions``), at most
+            4096; a ``max_len`` past the context raises ``ValueError`` (positions a model was
+            not trained for give wrong tokens). For another model: unchecked.
         overlap: False runs every step in sync (for A/B).
         eos_token_id: the model's end tokens (an id or a list), the default stop tokens of
             every request. Default: the model's ``generation_config.eos_token_id``, else its
@@ -354,6 +357,23 @@ class Engine:
         return stats
 
 
+def _check_fits(need: list[int], lens: list[int], ctx: tuple[int, str] | None) -> None:
+    """``ValueError`` naming the first request (its id: its index) whose prompt plus
+    ``max_tokens`` passes the model's context."""
+    if ctx is None:
+        return
+    for rid, (n, m) in enumerate(zip(lens, need, strict=True)):
+        if m > ctx[0]:
+            raise ValueError(
+                f"request {rid}: prompt of {n} tokens + max_tokens={m - n} = {m} positions exceeds the "
+                f"model's context of {ctx[0]} positions ({ctx[1]}); ask for at most {ctx[0] - n} tokens "
+                "or shorten the prompt"
+                if n < ctx[0]
+                else f"request {rid}: prompt of {n} tokens fills the model's context of {ctx[0]} positions "
+                f"({ctx[1]}), leaving no room for a token"
+            )
+
+
 def generate(
     model: Any,
     prompts: Prompt | Sequence[Prompt],
@@ -381,7 +401,10 @@ def generate(
     :class:`tfuture.scheduler.GenerationParams` for all, one per prompt, or None (vLLM's
     defaults: temperature 1, 16 tokens). ``max_running`` defaults to the number of prompts (at
     most 32) and ``max_len`` to the longest prompt plus its ``max_tokens`` (requests that
-    ``on_tokens`` submits must fit). ``overlap=False`` runs in sync (A/B). ``on_tokens``,
+    ``on_tokens`` submits must fit). A request whose prompt plus ``max_tokens`` passes a
+    Hugging Face model's context (``max_position_embeddings``, ``n_positions``) is refused
+    with a ``ValueError`` naming it, the sum and the context, before anything runs:
+    ``max_tokens`` is never cut silently. ``overlap=False`` runs in sync (A/B). ``on_tokens``,
     ``progress``: see :meth:`Engine.generate`; ``engine_kw``: :class:`Engine`'s other options.
 
     Builds the engine (future map, KV pool, sampler, scheduler), runs on the calling thread,
@@ -400,9 +423,11 @@ def generate(
             len(encode(tokenizer, p)) if isinstance(p, str) and tokenizer is not None else _len(p)
             for p in plist
         ]
-        max_len = max(
+        need = [
             n + (g if g is not None else GenerationParams()).max_tokens for n, g in zip(lens, gp, strict=True)
-        )
+        ]
+        _check_fits(need, lens, context(model))
+        max_len = max(need)
     engine = Engine(
         model,
         tokenizer=tokenizer,

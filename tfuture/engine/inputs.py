@@ -22,6 +22,8 @@ Prompt = str | Sequence[int] | np.ndarray
 
 # An idle Engine's KV rows for a Hugging Face model without max_len: the context, at most this.
 DEFAULT_MAX_LEN = 4096
+# Where a Hugging Face config gives the model's context (trained positions), in this order.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
 def _count(name: str, v: object) -> int:
@@ -78,9 +80,43 @@ def _check_model(model: Any) -> None:
         )
 
 
+def context(model: Any) -> tuple[int, str] | None:
+    """A Hugging Face model's context: the positions it was trained for and the config key
+    that says so (``max_position_embeddings``, GPT-2's ``n_positions``, ...); None when the
+    model is not a Hugging Face one (or its config does not say)."""
+    if _is_adapter(model):
+        model = model.model
+    if not _is_hf_model(model):
+        return None
+    cfg = model.config
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        cfg = get_text()
+    aliases = getattr(cfg, "attribute_map", None) or {}
+    for key in _CONTEXT_KEYS:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v, f"config.{aliases.get(key, key)}"  # the key the config really has
+    return None
+
+
+def _check_context(max_len: int, ctx: tuple[int, str] | None) -> None:
+    if ctx is not None and max_len > ctx[0]:
+        raise ValueError(
+            f"max_len={max_len} positions per request exceeds the model's context of {ctx[0]} "
+            f"positions ({ctx[1]}): positions past it were never trained (a RoPE model gives wrong "
+            "tokens silently, a learned-position model fails)"
+        )
+
+
 def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int | None]:
-    """The model the runtime drives, and the positions a request may use (None: unchecked)."""
+    """The model the runtime drives, and the positions a request may use (None: unchecked).
+    ``ValueError`` for a ``max_len`` past a Hugging Face model's context; without one, the
+    context bounds it."""
     _check_model(model)
+    ctx = context(model)
+    if max_len is not None:
+        _check_context(max_len, ctx)
     if _is_adapter(model):
         pool = model.pool
         if pool.n_rows < max_running:
@@ -92,11 +128,10 @@ def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int 
             raise ValueError(
                 f"max_len={max_len} exceeds the HFCausalLM's KV rows of {pool.max_len} positions"
             )
-        return model, max_len or pool.max_len
+        return model, max_len or min(pool.max_len, ctx[0] if ctx is not None else pool.max_len)
     if _is_hf_model(model):
         if max_len is None:
-            ctx = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN
-            max_len = min(int(ctx), DEFAULT_MAX_LEN)
+            max_len = min(ctx[0] if ctx is not None else DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
         from tfuture.models.hf import HFCausalLM  # the hf extra: only when a HF model is given
 
         return HFCausalLM(model, max_requests=max_running, max_len=max_len), max_len
