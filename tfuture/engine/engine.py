@@ -109,8 +109,10 @@ class Engine:
         stream, delay, trace: :class:`tfuture.OverlapRuntime`'s ``stream`` and ``trace`` and
             the scheduler's ``delay`` (grammar rows).
 
-    Use it as a context manager, or call :meth:`close`: it aborts what is live and waits for
-    the background thread.
+    Use it as a context manager, or call :meth:`close`: it aborts what is live, waits for
+    the background thread, and gives a Hugging Face model it wrapped back its train/eval mode
+    and attention implementation (the model generates in eval mode meanwhile; see
+    :mod:`tfuture.engine.model_state`).
     """
 
     def __init__(
@@ -135,36 +137,43 @@ class Engine:
         max_running = _count("max_running", max_running)
         if max_len is not None:
             max_len = _count("max_len", max_len)
-        self.model, self.max_len = _adapt(model, max_running, max_len)
-        self.tokenizer = tokenizer
-        self.vocab: int | None = vocab_size if vocab_size is not None else _vocab(self.model)
-        self.eos: tuple[int, ...] = _eos(eos_token_id, self.model, tokenizer)
-        rows = max_running if history_rows is None else history_rows
-        self.fmap = FutureMap(4 * max_running + 8, device=_device(self.model, device))
-        self.sampler = Sampler(history_rows=rows)
-        self.runtime = OverlapRuntime(
-            self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
-        )
-        self.scheduler = ServingScheduler(
-            self.fmap,
-            max_running=max_running,
-            chunk=chunk,
-            token_budget=token_budget,
-            delay=delay,
-            history_rows=rows,
-            retain=False,
-        )
-        self.max_running = max_running
-        self.last_stats: RunStats | None = None  # the last run that ended normally
-        self.last_error: BaseException | None = None  # the last run's failure
-        self._cond = threading.Condition(self.scheduler.lock)
-        self._ids = itertools.count()
-        self._driver: str | None = None  # None, "foreground" or "background"
-        self._thread: threading.Thread | None = None  # the background thread
-        self._driver_thread: threading.Thread | None = None  # the thread that drives the runtime
-        self._closed = False
-        self._local = threading.local()  # the generate() call whose on_tokens runs here
-        self._requests = RequestPreparer(self.tokenizer, self.vocab, self.max_len, self.eos)
+        self.model, self.max_len, give_back = _adapt(model, max_running, max_len)
+        # What gives a Hugging Face model wrapped here its mode and attention back (at close).
+        self._give_back: Callable[[], None] | None = give_back
+        try:
+            self.tokenizer = tokenizer
+            self.vocab: int | None = vocab_size if vocab_size is not None else _vocab(self.model)
+            self.eos: tuple[int, ...] = _eos(eos_token_id, self.model, tokenizer)
+            rows = max_running if history_rows is None else history_rows
+            self.fmap = FutureMap(4 * max_running + 8, device=_device(self.model, device))
+            self.sampler = Sampler(history_rows=rows)
+            self.runtime = OverlapRuntime(
+                self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
+            )
+            self.scheduler = ServingScheduler(
+                self.fmap,
+                max_running=max_running,
+                chunk=chunk,
+                token_budget=token_budget,
+                delay=delay,
+                history_rows=rows,
+                retain=False,
+            )
+            self.max_running = max_running
+            self.last_stats: RunStats | None = None  # the last run that ended normally
+            self.last_error: BaseException | None = None  # the last run's failure
+            self._cond = threading.Condition(self.scheduler.lock)
+            self._ids = itertools.count()
+            self._driver: str | None = None  # None, "foreground" or "background"
+            self._thread: threading.Thread | None = None  # the background thread
+            self._driver_thread: threading.Thread | None = None  # the thread that drives the runtime
+            self._closed = False
+            self._local = threading.local()  # the generate() call whose on_tokens runs here
+            self._requests = RequestPreparer(self.tokenizer, self.vocab, self.max_len, self.eos)
+        except BaseException:
+            if give_back is not None:
+                give_back()  # refused after wrapping: the model is left as it was
+            raise
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -246,12 +255,18 @@ class Engine:
         return col.result(stats)
 
     def close(self, timeout: float | None = None) -> None:
-        """Abort every live request, refuse new ones, and wait for the background thread."""
+        """Abort every live request, refuse new ones, and wait for the background thread.
+
+        A Hugging Face model this engine wrapped gets back its train/eval mode and its own
+        attention implementation once no run of the engine goes (at once when idle, else when
+        the running one ends) and no other engine over the same model is open (the last one
+        to close gives them back). An ``HFCausalLM`` passed in is left as it is."""
         with self._cond:
             self._closed = True
             for rid in self.scheduler.live:
                 self.scheduler.abort(rid)
             thread = self._thread
+            self._give_back_if_done()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -321,6 +336,7 @@ class Engine:
             with self._cond:
                 if not self.scheduler.has_work():
                     self._driver, self._thread, self._driver_thread = None, None, None
+                    self._give_back_if_done()
                     self._cond.notify_all()
                     return
             self._run(raise_error=False)
@@ -334,13 +350,22 @@ class Engine:
                 with self._cond:
                     if not self.scheduler.has_work():
                         self._driver, self._driver_thread = None, None
+                        self._give_back_if_done()
                         self._cond.notify_all()
                         return stats
         except BaseException:
             with self._cond:
                 self._driver, self._driver_thread = None, None
                 self._ensure_driver()  # requests added by a callback while failing
+                self._give_back_if_done()
             raise
+
+    def _give_back_if_done(self) -> None:
+        """Under the lock: once closed and no thread drives a run, give a Hugging Face model
+        this engine wrapped its mode and attention back (once)."""
+        if self._closed and self._driver is None and self._give_back is not None:
+            give_back, self._give_back = self._give_back, None
+            give_back()
 
     def _run(self, raise_error: bool) -> RunStats | None:
         try:

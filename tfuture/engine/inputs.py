@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from tfuture.engine.detok import tokenizer_eos
+from tfuture.engine.model_state import wrap
 from tfuture.scheduler.options import GenerationParams
 from tfuture.streams.stats import RunStats
 
@@ -109,10 +110,13 @@ def _check_context(max_len: int, ctx: tuple[int, str] | None) -> None:
         )
 
 
-def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int | None]:
-    """The model the runtime drives, and the positions a request may use (None: unchecked).
-    ``ValueError`` for a ``max_len`` past a Hugging Face model's context; without one, the
-    context bounds it."""
+def _adapt(
+    model: Any, max_running: int, max_len: int | None
+) -> tuple[Any, int | None, Callable[[], None] | None]:
+    """The model the runtime drives, the positions a request may use (None: unchecked), and
+    for a Hugging Face model wrapped here, what gives its state back (see
+    :mod:`tfuture.engine.model_state`). ``ValueError`` for a ``max_len`` past a Hugging Face
+    model's context; without one, the context bounds it."""
     _check_model(model)
     ctx = context(model)
     if max_len is not None:
@@ -128,19 +132,18 @@ def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int 
             raise ValueError(
                 f"max_len={max_len} exceeds the HFCausalLM's KV rows of {pool.max_len} positions"
             )
-        return model, max_len or min(pool.max_len, ctx[0] if ctx is not None else pool.max_len)
+        return model, max_len or min(pool.max_len, ctx[0] if ctx is not None else pool.max_len), None
     if _is_hf_model(model):
         if max_len is None:
             max_len = min(ctx[0] if ctx is not None else DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
-        from tfuture.models.hf import HFCausalLM  # the hf extra: only when a HF model is given
-
-        return HFCausalLM(model, max_requests=max_running, max_len=max_len), max_len
+        adapter, give_back = wrap(model, max_running, max_len)
+        return adapter, max_len, give_back
     if not callable(getattr(model, "forward", None)):
         raise TypeError(
             "model must be a transformers PreTrainedModel, a tfuture.models.HFCausalLM or a tfuture Model "
             f"(forward(batch) -> logits), got {type(model).__name__}"
         )
-    return model, max_len
+    return model, max_len, None
 
 
 def _vocab(model: Any) -> int | None:
