@@ -145,7 +145,10 @@ class OverlapRuntime:
 
         An exception anywhere (forward, sample, a scheduler hook) stops the loop: the stream is
         drained and stopped, every slot the runtime holds is released, every request's state is
-        freed, and the exception re-raises here with its original traceback.
+        freed, and the exception re-raises here with its original traceback. When the drain
+        itself is interrupted (Ctrl-C again), the step the CPU worker runs still finishes after
+        this returns: its requests' state is freed once it ended, at the start of the next
+        ``run`` (which waits for it) or at :meth:`close`.
         """
         if max_steps is not None:
             max_steps = as_count("max_steps", max_steps)
