@@ -56,7 +56,8 @@ class OverlapRuntime:
         faults: a :class:`tfuture.streams.base.RunWrapper` that wraps each run's stream and
             scheduler from outside the loop, such as :class:`tfuture.testing.faults.FaultPlan`
             (delays, gc, exceptions); its ``delay`` is used when ``delay`` is not given.
-        trace: record per-op spans for bubble accounting and the Chrome trace.
+        trace: record per-op spans for bubble accounting (``RunStats.device_idle``) and the
+            Chrome trace; off by default (it costs host time on every step).
         n_staging: host staging buffers per direction (at least 3: two steps in flight); a CPU
             map stages none: a step's inputs and its results each get a fresh array.
         buckets: pad every token step to these shapes (:class:`tfuture.steps.token.Buckets`),
@@ -78,7 +79,7 @@ class OverlapRuntime:
         stream: str = "auto",
         delay: Delay | None = None,
         faults: RunWrapper | None = None,
-        trace: bool = True,
+        trace: bool = False,
         n_staging: int = 4,
         buckets: Buckets | None = None,
         sampler: Sampler | None = None,

@@ -306,3 +306,19 @@ def test_an_engine_refuses_max_len_past_the_context_and_defaults_to_it():
         assert eng.max_len == 16
         with pytest.raises(ValueError, match="exceeds max_len=16"):
             eng.submit([1, 2, 3], greedy(14))
+
+
+# ------------------------------------------------------------------- item 13: tracing opt-in
+def test_tracing_is_opt_in_for_generate_the_engine_and_the_runtime():
+    from tfuture import FutureMap, OverlapRuntime
+
+    res = tfuture.generate(ToyModel(vocab=VOCAB), [[1, 2]], greedy(4))
+    assert res.stats is not None and res.stats.steps > 0
+    assert res.stats.device_spans == [] and res.stats.host_spans == []
+    assert "device idle not traced" in res.stats.summary()
+    with toy_engine() as eng:
+        assert not eng.runtime.trace
+    assert not OverlapRuntime(ToyModel(vocab=VOCAB), FutureMap(8, device="cpu")).trace
+    traced = tfuture.generate(ToyModel(vocab=VOCAB, work_s=1e-3), [[1, 2]], greedy(4), trace=True)
+    assert traced.stats is not None and traced.stats.device_spans and traced.stats.device_busy > 0
+    assert "device idle not traced" not in traced.stats.summary()

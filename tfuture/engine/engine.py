@@ -411,7 +411,7 @@ def generate(
     max_running: int | None = None,
     max_len: int | None = None,
     eos_token_id: int | Iterable[int] | None = None,
-    trace: bool = True,
+    trace: bool = False,
     **engine_kw: Any,
 ) -> GenerateResult:
     """Generate for ``prompts`` with ``model`` in three lines::
@@ -429,8 +429,10 @@ def generate(
     ``on_tokens`` submits must fit). A request whose prompt plus ``max_tokens`` passes a
     Hugging Face model's context (``max_position_embeddings``, ``n_positions``) is refused
     with a ``ValueError`` naming it, the sum and the context, before anything runs:
-    ``max_tokens`` is never cut silently. ``overlap=False`` runs in sync (A/B). ``on_tokens``,
-    ``progress``: see :meth:`Engine.generate`; ``engine_kw``: :class:`Engine`'s other options.
+    ``max_tokens`` is never cut silently. ``overlap=False`` runs in sync (A/B); ``trace=True``
+    records the run's spans (device idle in ``stats.summary()``, ``stats.write_chrome_trace``;
+    off by default, as everywhere: it costs host time per step). ``on_tokens``, ``progress``:
+    see :meth:`Engine.generate`; ``engine_kw``: :class:`Engine`'s other options.
 
     Builds the engine (future map, KV pool, sampler, scheduler), runs on the calling thread,
     and returns a :class:`GenerateResult`: per request ``token_ids``, ``text`` (with a
