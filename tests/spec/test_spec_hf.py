@@ -187,3 +187,35 @@ def test_penalties_are_refused_with_a_drafter(model: Any) -> None:
     specs = [RequestSpec(0, 0, np.arange(3, 9), 4, params=SamplingParams(presence_penalty=0.5))]
     with pytest.raises(ValueError, match="request 0 asks for penalties"):
         run(model, specs, NGramDrafter(k=2))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_grammar_requests_take_masks_beside_drafting_requests(model: Any, overlap: bool) -> None:
+    from tfuture.testing import ToyGrammar
+
+    grammar = ToyGrammar(VOCAB, seed=2)
+    specs = [
+        RequestSpec(s.rid, s.arrival, s.prompt, s.max_new, grammar=s.rid % 2 == 1)
+        for s in workload(n=4, max_new=12)
+    ]
+
+    def go(k: int) -> ContinuousBatcher:
+        fmap = FutureMap(256)
+        hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
+        kind: Any = hf
+        if k:
+            drafter = NGramDrafter(k=k)
+            drafter.bind(ROWS, MAX_LEN, torch.device("cpu"))
+            kind = SpecTokenStep(hf, drafter, Sampler())
+        sched = ContinuousBatcher(specs, fmap, eos=NO_STOP, max_running=ROWS, grammar=grammar, speculative=k)
+        kw = {} if k else {"sampler": Sampler()}
+        OverlapRuntime(kind, fmap, overlap=overlap, trace=False, **kw).run(sched)
+        assert fmap.in_use == 0
+        return sched
+
+    plain, spec = go(0), go(3)
+    assert spec.outputs == plain.outputs
+    for s in specs:
+        if s.grammar:
+            assert grammar.accepts(spec.outputs[s.rid])
+    assert spec.drafted_tokens > 0  # the free requests drafted beside the grammar ones

@@ -103,8 +103,9 @@ class Engine:
         speculative: a drafter (:class:`tfuture.NGramDrafter`, :class:`tfuture.ModelDrafter`,
             or a :class:`tfuture.spec.Drafter` of your own): every request verifies ``k`` drafts
             a step (greedy output equal to plain decoding; sampled output following the model's
-            distribution exactly). Not yet with penalties or structured output: such a request
-            is refused at submission. None (the default): plain decoding.
+            distribution exactly). A structured-output request makes no drafts (its tokens follow
+            its grammar's masks); penalties are not served with drafts yet: such a request is
+            refused at submission. None (the default): plain decoding.
 
     Use it as a context manager, or call :meth:`close`: it aborts what is live and waits for
     the background thread.

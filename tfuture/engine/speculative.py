@@ -3,8 +3,9 @@
 ``Engine(model, speculative=tfuture.NGramDrafter(k=4))`` (and :func:`tfuture.generate`) runs
 every request through :class:`tfuture.spec.SpecTokenStep` with ``k`` drafts a step. The KV rows
 hold a margin of positions past ``max_len`` for the drafts verified beyond a request's last
-token; the future map holds ``1 + k`` slots per request and step. What speculation does not
-serve yet (penalties, structured output) is refused when the request is submitted, naming it.
+token; the future map holds ``1 + k`` slots per request and step. A structured-output request
+makes no drafts (its tokens wait for grammar masks, the others' do not); penalties are not
+served with drafts yet and are refused when the request is submitted, naming it.
 """
 
 from __future__ import annotations
@@ -57,11 +58,6 @@ def spec_step(
 
 def check_spec_request(what: str, spec_kw: dict[str, Any]) -> None:
     """Raise ``ValueError`` (naming ``what``, the request) for what speculation does not serve."""
-    if spec_kw.get("grammar", False) is not False:
-        raise ValueError(
-            f"{what} asks for structured output, which speculative decoding does not serve yet: "
-            "use an Engine without speculative= for it"
-        )
     params = spec_kw.get("params")
     if params is not None and params.has_penalties:
         raise ValueError(

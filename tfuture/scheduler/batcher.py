@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -142,9 +143,8 @@ class ContinuousBatcher:
         self.history_rows = history_rows
         if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
             raise ValueError(f"speculative must be an int >= 0 (drafts per step), got {speculative!r}")
-        if speculative and any(s.grammar is not False for s in specs):
-            raise ValueError("speculative decoding does not serve grammar requests yet")
-        #: Drafts each request makes per step (0: plain decoding, plain Batches).
+        #: Drafts each request makes per step (0: plain decoding, plain Batches). A grammar
+        #: request makes none: its tokens wait for masks the host builds from its matcher.
         self.speculative = speculative
         self.stop = frozenset((eos,) if isinstance(eos, int | np.integer) else (int(t) for t in eos))
         self.eos = min(self.stop) if self.stop else -1  # one of them, for callers that read eos
@@ -189,8 +189,8 @@ class ContinuousBatcher:
             return self.schedule()
         rows: list[tuple[_Req, int, bool]] = []
         budget, slots_left = self.token_budget, self.fmap.free
-        need = 1 + self.speculative  # slots of a sampling request: its token, then its drafts
         for r in self.running:
+            need = 1 + self._drafts(r)  # slots of a sampling request: its token, then its drafts
             if r.fed < r.spec.prompt.size:
                 n = min(self.chunk, r.spec.prompt.size - r.fed, budget)
                 samples = r.fed + n == r.spec.prompt.size
@@ -280,35 +280,45 @@ class ContinuousBatcher:
                 at += n
         sample_mask = np.asarray(sample, dtype=bool)
         seg_lens = np.asarray(seg, dtype=np.int64)
-        kw = {}
+        common: dict[str, Any] = {
+            "consumes": consumes,
+            "tag": [r for r, _, s in rows if s],
+            "ended": np.asarray(self._ended, dtype=np.int64),
+            "delayed": self._delayed(rows, sample_mask),
+            "params": self._admitted(rows),
+        }
+        arrays = (
+            np.concatenate(tokens),
+            seg_lens,
+            np.asarray(prefix, dtype=np.int64),
+            np.asarray(rids, dtype=np.int64),
+        )
         verify = None
         if self.speculative:
             # A decode verifies the drafts of its last step: every token of its segment but the first.
             decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
             verify = np.where(decode, seg_lens - 1, 0)
-            kw = {"n_verify": verify, "n_draft": np.where(sample_mask, self.speculative, 0)}
-        batch = (DraftBatch if self.speculative else Batch)(
-            np.concatenate(tokens),
-            seg_lens,
-            np.asarray(prefix, dtype=np.int64),
-            np.asarray(rids, dtype=np.int64),
-            sample_mask,
-            consumes=consumes,
-            tag=[r for r, _, s in rows if s],
-            ended=np.asarray(self._ended, dtype=np.int64),
-            delayed=self._delayed(rows, sample_mask),
-            params=self._admitted(rows),
-            **kw,
-        )
+            drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
+            n_draft = np.where(sample_mask, drafts, 0)
+            batch: Batch = DraftBatch(*arrays, sample_mask, **common, n_verify=verify, n_draft=n_draft)
+        else:
+            batch = Batch(*arrays, sample_mask, **common)
         self._ended = []
-        need = 1 + self.speculative
         extra = None if verify is None else verify[sample_mask]
+        first = 0
         for row, r in enumerate(batch.tag):
-            r.pending = (batch, row * need, need)
+            need = 1 + self._drafts(r)
+            r.pending = (batch, first, need)
+            first += need
             r.n_pending += 1
             if extra is not None:
                 r.pending_extra += int(extra[row])
         return batch
+
+    def _drafts(self, r: _Req) -> int:
+        """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
+        which the host advances only over tokens it has seen)."""
+        return 0 if r.matcher is not None else self.speculative
 
     def _delayed(self, rows: list[tuple[_Req, int, bool]], sample: np.ndarray) -> bool | np.ndarray:
         """``Batch.delayed``: False without a sampling grammar request; with ``delay="rows"`` a
@@ -317,8 +327,9 @@ class ContinuousBatcher:
         waits = int(np.count_nonzero(grammar & sample))
         if not waits:
             return False
-        if self.delay == "batch" or waits == int(np.count_nonzero(sample)):
+        if (self.delay == "batch" and not self.speculative) or waits == int(np.count_nonzero(sample)):
             return True
+        # Speculative: only the grammar rows wait (the others carry drafts, which take no mask).
         return grammar
 
     def _admitted(self, rows: list[tuple[_Req, int, bool]]) -> dict[int, SamplingParams] | None:

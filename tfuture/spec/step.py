@@ -11,7 +11,9 @@ its slots, and the ``seq_len`` field). The host reads back each request's commit
 their count. Prefill chunks, plain decodes (``k = 0``), ended requests, the KV cache and the
 runtime's staging, tracing, faults and error path are the token step's own.
 
-Not yet: penalties, grammar masks (delayed rows), ``Buckets`` and step graphs, and
+A request with a grammar makes no drafts (``n_draft = 0``): its one row waits for the mask the
+host builds from its matcher (a delayed step), while the other requests of the step verify
+theirs. Not yet: penalties, drafts for grammar requests, ``Buckets`` and step graphs, and
 tensor/pipeline parallel with drafts. Each is refused with a ``ValueError``, never run wrong.
 """
 
@@ -26,11 +28,13 @@ from tfuture.core.batch import Batch, Model, StepResult
 from tfuture.core.future_fields import FutureFields
 from tfuture.core.future_map import FutureMap
 from tfuture.core.params import FREQUENCY, N_FLOATS, REPETITION
+from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import Sampler
 from tfuture.spec.batch import DraftBatch, DraftResult
 from tfuture.spec.drafter import DraftContext, Drafter
 from tfuture.spec.verify import RowParams, row_params, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
+from tfuture.steps.masks import mask_on_stream
 from tfuture.steps.token import TokenStep
 from tfuture.steps.token_state import TokenInputs, TokenState
 
@@ -134,13 +138,15 @@ class SpecTokenStep(TokenStep):
         n_verify, n_draft = (
             (batch.n_verify, batch.n_draft) if isinstance(batch, DraftBatch) else (zeros, zeros)
         )
-        if np.count_nonzero(batch.delayed & batch.sample):
+        waits = np.flatnonzero(batch.delayed & batch.sample & ((n_verify > 0) | (n_draft > 0)))
+        if waits.size:
             raise ValueError(
-                "speculative steps do not take grammar masks yet: Batch.delayed must be False "
-                "(serve grammar requests without speculative=)"
+                f"request {int(batch.req_ids[waits[0]])} waits for a grammar mask and has drafts: a "
+                "request with a grammar makes no drafts (n_verify = n_draft = 0) in a speculative step"
             )
         state, inputs = self.plan_batch(batch)
         assert isinstance(state, SpecState) and self.sampler is not None
+        state.split = False  # a step with waiting rows waits whole: verification takes every row
         sreq = state.sample_reqs
         n = sreq.size
         packed = self.sampler.packed_params(batch.req_ids[sreq])
@@ -193,7 +199,7 @@ class SpecTokenStep(TokenStep):
         )
         state.rp, state.width, state.n_verify = rp, width, v
         state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
-        return StepPlan(n_out, staged, state, False)
+        return StepPlan(n_out, staged, state, bool(state.late.size))
 
     # -- forward stream ----------------------------------------------------------------------
 
@@ -222,6 +228,8 @@ class SpecTokenStep(TokenStep):
         return ops
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
+        if mask is not None:
+            self.take_mask(rec, mask)
         return [
             ("verify", lambda: self._verify(rec)),
             ("draft", lambda: self._draft(rec)),
@@ -251,6 +259,8 @@ class SpecTokenStep(TokenStep):
             words = inputs.params
             floats = words[: 3 * rows].view(torch.float64).view(3, rows)
             dev_params = (floats, words[3 * rows : 4 * rows], words[4 * rows :])
+        if state.mask is not None:
+            logits = self._masked(rec, logits)
         drafts = fwd.input_ids.index_select(0, inputs.draft_src).to(torch.int64)
         positions = fwd.positions.index_select(0, inputs.vrows) + 1
         state.verified = v = verify_rows(
@@ -258,6 +268,19 @@ class SpecTokenStep(TokenStep):
         )
         real = fwd.seq_lens.index_select(0, inputs.sample_idx)
         state.new_len = real - inputs.n_verify + v.n_commit
+
+    def _masked(self, rec: InFlight, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with the grammar mask applied to the waiting requests' rows (each has one
+        verification row: it makes no drafts), on a copy."""
+        state: SpecState = rec.state
+        assert self.fmap is not None
+        mask = mask_on_stream(state, rec.step, self.fmap.device)
+        vocab = int(logits.shape[1])
+        allowed = mask if mask.dtype == torch.bool else unpack_bitmask(mask, vocab)
+        # A waiting request verifies nothing, so its one row is its last: the row of its request.
+        ends = torch.cumsum(1 + state.inputs.n_verify, 0) - 1
+        rows = ends.index_select(0, torch.tensor(state.mask_rows, device=ends.device))
+        return logits.index_put((rows,), logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
 
     def _draft(self, rec: InFlight) -> None:
         state: SpecState = rec.state
