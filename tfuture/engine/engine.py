@@ -32,6 +32,7 @@ from tfuture.core.future_map import FutureMap
 from tfuture.engine.inputs import (
     Prompt,
     _adapt,
+    _check_context,
     _check_tokenizer,
     _count,
     _device,
@@ -40,6 +41,7 @@ from tfuture.engine.inputs import (
     _progress_bar,
     _run_context,
     _vocab,
+    context,
 )
 from tfuture.engine.outputs import (
     EngineError,
@@ -49,6 +51,7 @@ from tfuture.engine.outputs import (
     _Collector,
 )
 from tfuture.engine.requests import RequestPreparer, _Prepared
+from tfuture.engine.speculative import check_drafter, margin, spec_step
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.scheduler.options import GenerationParams
@@ -100,6 +103,11 @@ class Engine:
         history_rows: live requests with penalties at once (default ``max_running``).
         stream, delay, trace: :class:`tfuture.OverlapRuntime`'s ``stream`` and ``trace`` and
             the scheduler's ``delay`` (grammar rows).
+        speculative: a drafter (:class:`tfuture.NGramDrafter`, :class:`tfuture.ModelDrafter`,
+            or a :class:`tfuture.spec.Drafter` of your own): every request verifies ``k`` drafts
+            a step (greedy output equal to plain decoding; sampled output following the model's
+            distribution exactly; penalties too). A structured-output request makes no drafts
+            (its tokens follow its grammar's masks). None (the default): plain decoding.
 
     Use it as a context manager, or call :meth:`close`: it aborts what is live, waits for
     the background thread, and gives a Hugging Face model it wrapped back its train/eval mode
@@ -124,24 +132,38 @@ class Engine:
         stream: str = "auto",
         delay: str = "batch",
         trace: bool = False,
+        speculative: Any = None,
     ) -> None:
         _check_tokenizer(tokenizer)
         max_running = _count("max_running", max_running)
         if max_len is not None:
             max_len = _count("max_len", max_len)
-        self.model, self.max_len, give_back = _adapt(model, max_running, max_len)
+        self.drafter = check_drafter(speculative)
+        extra = margin(self.drafter)  # KV positions for drafts verified past a request's end
+        if max_len is not None:
+            # The requests' positions: drafts verified past a request's end are discarded.
+            _check_context(max_len, context(model))
+        pool_max = None if max_len is None else max_len + extra
+        self.model, pool_len, give_back = _adapt(model, max_running, pool_max)
         # What gives a Hugging Face model wrapped here its mode and attention back (at close).
         self._give_back: Callable[[], None] | None = give_back
         try:
+            self.max_len = max_len if max_len is not None or pool_len is None else pool_len - extra
             self.tokenizer = tokenizer
             self.vocab: int | None = vocab_size if vocab_size is not None else _vocab(self.model)
             self.eos: tuple[int, ...] = _eos(eos_token_id, self.model, tokenizer)
             rows = max_running if history_rows is None else history_rows
-            self.fmap = FutureMap(4 * max_running + 8, device=_device(self.model, device))
+            k = 0 if self.drafter is None else self.drafter.k
+            self.fmap = FutureMap((4 * max_running + 8) * (1 + k), device=_device(self.model, device))
             self.sampler = Sampler(history_rows=rows)
-            self.runtime = OverlapRuntime(
-                self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
-            )
+            if self.drafter is None:
+                self.runtime = OverlapRuntime(
+                    self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
+                )
+            else:
+                assert self.max_len is not None
+                kind = spec_step(self.model, self.drafter, self.sampler, max_running, self.max_len + extra)
+                self.runtime = OverlapRuntime(kind, self.fmap, overlap=overlap, stream=stream, trace=trace)
             self.scheduler = ServingScheduler(
                 self.fmap,
                 max_running=max_running,
@@ -150,6 +172,7 @@ class Engine:
                 delay=delay,
                 history_rows=rows,
                 retain=False,
+                speculative=k,
             )
             self.max_running = max_running
             self.last_stats: RunStats | None = None  # the last run that ended normally

@@ -113,14 +113,12 @@ def _check_context(max_len: int, ctx: tuple[int, str] | None) -> None:
 def _adapt(
     model: Any, max_running: int, max_len: int | None
 ) -> tuple[Any, int | None, Callable[[], None] | None]:
-    """The model the runtime drives, the positions a request may use (None: unchecked), and
-    for a Hugging Face model wrapped here, what gives its state back (see
-    :mod:`tfuture.engine.model_state`). ``ValueError`` for a ``max_len`` past a Hugging Face
-    model's context; without one, the context bounds it."""
+    """The model the runtime drives, the positions of its KV rows (``max_len``: the caller
+    checked it against the context with :func:`_check_context`; without it, the context
+    bounds them; None: unchecked), and for a Hugging Face model wrapped here, what gives its
+    state back (see :mod:`tfuture.engine.model_state`)."""
     _check_model(model)
     ctx = context(model)
-    if max_len is not None:
-        _check_context(max_len, ctx)
     if _is_adapter(model):
         pool = model.pool
         if pool.n_rows < max_running:
