@@ -716,4 +716,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/runtime/test_step_graphs.py",),
         "a graphed step stages no slots: its tokens are stored nowhere (or into slot 0)",
     ),
+    # ------------------------------------------- issue 30 item 16: behaviours no test pinned
+    Mutant(
+        "runtime-scheduler-cut-ignored",
+        "tfuture/runtime.py",
+        'cut = self._loop(scheduler, max_steps, stats) or bool(getattr(user_scheduler, "cut", False))',
+        "cut = self._loop(scheduler, max_steps, stats)",
+        ("tests/runtime/test_cut_runs.py",),
+        "a scheduler that says cut loses its live requests' state (model close, sampler rows freed)",
+    ),
+    Mutant(
+        "history-record-marks-nothing-seen",
+        "tfuture/sampling/history.py",
+        "accumulate=True)\n        self.seen.index_put_((rows, tokens), self._true)\n",
+        "accumulate=True)\n",
+        ("tests/sampling/test_sampling_penalties.py",),
+        "a sampled token is seen only once it comes back as an input: a repetition penalty misses it",
+    ),
 )
