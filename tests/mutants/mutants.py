@@ -733,4 +733,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/sampling/test_sampling_penalties.py",),
         "a sampled token is seen only once it comes back as an input: a repetition penalty misses it",
     ),
+    Mutant(
+        "serving-ended-id-kept-taken",
+        "tfuture/scheduler/serving.py",
+        "            for rid in batch.ended.tolist():\n                self._ids.discard(rid)\n",
+        "            for rid in batch.ended.tolist():\n                pass\n",
+        ("tests/engine/test_serving_ids.py",),
+        "an id reported in Batch.ended stays taken: adding it again is refused, the id set grows",
+    ),
+    Mutant(
+        "serving-end-run-keeps-ids",
+        "tfuture/scheduler/serving.py",
+        "            self._ids.difference_update(self._ended)\n",
+        "            pass\n",
+        ("tests/engine/test_serving_ids.py",),
+        "ids of requests that finished after a run's last batch stay taken for good",
+    ),
 )
