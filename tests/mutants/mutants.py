@@ -749,4 +749,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/engine/test_serving_ids.py",),
         "ids of requests that finished after a run's last batch stay taken for good",
     ),
+    Mutant(
+        "stream-last-update-not-flushed",
+        "tfuture/engine/outputs.py",
+        "            dec = self._decoders[update.rid]\n"
+        '            text = dec.push(update.tokens) + (dec.flush() if update.finished else "")\n',
+        "            dec = self._decoders[update.rid]\n            text = dec.push(update.tokens)\n",
+        ("tests/engine/test_stream_flush.py",),
+        "a stream's last update drops the text held back (a trailing incomplete character is lost)",
+    ),
+    Mutant(
+        "detok-window-without-context",
+        "tfuture/engine/detok.py",
+        "self._prefix, self._read = self._read, len(self._ids)",
+        "self._prefix = self._read = len(self._ids)",
+        ("tests/engine/test_detok_context.py",),
+        "each update decodes without the tokens before it: a Metaspace decoder drops the space",
+    ),
 )
