@@ -766,4 +766,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/engine/test_detok_context.py",),
         "each update decodes without the tokens before it: a Metaspace decoder drops the space",
     ),
+    Mutant(
+        "pipeline-sampled-tokens-not-copied",
+        "tfuture/distributed/step.py",
+        "state.sampled, state.logits = state.sampled.to(torch.int64, copy=True), None",
+        "state.sampled, state.logits = state.sampled.to(torch.int64), None",
+        (
+            "tests/distributed/test_multiprocess.py::test_pipeline_copies_the_tokens_of_a_model_that_reuses_its_sample_buffer",
+        ),
+        "the last stage keeps the model's sample buffer: the next sample rewrites tokens not yet stored",
+    ),
 )
