@@ -776,4 +776,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         "the last stage keeps the model's sample buffer: the next sample rewrites tokens not yet stored",
     ),
+    Mutant(
+        "widen-padding-bitmask-rows-allow-none",
+        "tfuture/steps/masks.py",
+        "fill = True if mask.dtype == torch.bool else -1",
+        "fill = True if mask.dtype == torch.bool else 0",
+        ("tests/runtime/test_mask_layouts.py",),
+        "a widened packed mask's padding rows allow no token: free requests sample token 0",
+    ),
+    Mutant(
+        "widen-padding-bool-rows-allow-none",
+        "tfuture/steps/masks.py",
+        "fill = True if mask.dtype == torch.bool else -1",
+        "fill = False if mask.dtype == torch.bool else -1",
+        ("tests/runtime/test_mask_layouts.py",),
+        "a widened bool mask's padding rows allow no token: free requests sample token 0",
+    ),
 )
