@@ -792,4 +792,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/runtime/test_mask_layouts.py",),
         "a widened bool mask's padding rows allow no token: free requests sample token 0",
     ),
+    Mutant(
+        "batcher-history-hold-back-off-by-one",
+        "tfuture/scheduler/batcher.py",
+        "return held < self.history_rows",
+        "return held <= self.history_rows",
+        ("tests/testing/test_batcher.py",),
+        "one penalised request more than history_rows is admitted: the run fails for want of a row",
+    ),
 )
