@@ -1,5 +1,5 @@
-"""xgrammar behind the :class:`tfuture.grammars.Grammar` protocol (optional extra: ``pip install
-tfuture[grammar]``; xgrammar is imported on first use, not with this module).
+"""xgrammar behind the :class:`tfuture.grammars.Grammar` protocol (optional extra, from a clone of
+tfuture: ``pip install -e '.[grammar]'``; xgrammar is imported on first use, not with this module).
 
     compiler = XGrammarCompiler(tokenizer, vocab_size=model_vocab)      # once per tokenizer
     grammar = compiler.json_schema({"type": "object", ...})             # once per schema
@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["XGrammar", "XGrammarCompiler", "XGrammarMatcher", "tokenizer_info"]
 
-_INSTALL = "pip install tfuture[grammar]"
+_INSTALL = "from a clone of tfuture, pip install -e '.[grammar]'"
 
 
 def _xgr() -> Any:
