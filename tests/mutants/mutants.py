@@ -800,4 +800,29 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/testing/test_batcher.py",),
         "one penalised request more than history_rows is admitted: the run fails for want of a row",
     ),
+    # ---------------------------------------------- issue 30 items 7, 8, 15: their fixes undone
+    Mutant(
+        "sampler-input-ids-past-vocab-unchecked",
+        "tfuture/steps/samplers.py",
+        "sampler.check_inputs(plan, batch.tokens, batch.req_ids, batch.seg_lens, self.model_vocab)",
+        "pass",
+        ("tests/sampling/test_input_vocab.py",),
+        "a prompt id past the vocab of a request with penalties dies in the history (IndexError)",
+    ),
+    Mutant(
+        "token-delayed-assigned-not-normalised",
+        "tfuture/steps/token.py",
+        "            delayed = batch.delayed = check_delayed(delayed, n_reqs)\n",
+        "            pass\n",
+        ("tests/runtime/test_batch.py",),
+        "Batch.delayed = True after construction crashes in the runtime ('bool' has no 'base')",
+    ),
+    Mutant(
+        "batcher-invalid-json-returned-as-valid",
+        "tfuture/scheduler/batcher.py",
+        "        why = invalid_output(m)\n",
+        "        why = None\n",
+        ("tests/grammars/test_json_invalid.py",),
+        "an output xgrammar accepted that is not JSON (xgrammar #800) finishes as stop, unflagged",
+    ),
 )
