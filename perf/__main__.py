@@ -36,6 +36,7 @@ BENCHES = [
     "bench_grammar_overlap",
     "bench_distributed",
     "bench_hf",
+    "bench_spec",
 ]
 # What a full run rewrites: files a run of older benchmarks left behind go too.
 OWNED = (".csv", ".png", ".html", "meta.json", "summary.json", "README.md")

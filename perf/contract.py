@@ -64,6 +64,42 @@ for _t, _limit in ((1, 1.1), (4, 1.05)):
         _what = f"overlap with step graphs / nominal, {_t} ms, batch {_bs}"
         TARGETS.append((_what, "<=", _limit, _path))
 TARGETS.append(("overlap device idle %, T_dev 4 ms, T_cpu 2 ms", "<", 3.0, "overlap.idle_pct_t_dev4_t_cpu2"))
+# Speculative decoding through the front door (bench_spec): CPU targets of the speculative issue.
+for _b in (1, 8):
+    _rep, _rand = f"spec.repetitive b{_b}", f"spec.random b{_b}"
+    TARGETS += [
+        (
+            f"spec: ngram k=4 steps per token, repetitive, batch {_b}",
+            "<=",
+            0.5,
+            f"{_rep} ngram overlap.steps_per_token",
+        ),
+        (
+            f"spec: ngram k=4 / plain tokens/s, repetitive, batch {_b}",
+            ">=",
+            1.6,
+            f"{_rep} ngram overlap.over_plain",
+        ),
+        (
+            f"spec: exact-twin draft model steps per token, batch {_b}",
+            "<=",
+            0.25,
+            f"{_rep} twin overlap.steps_per_token",
+        ),
+    ]
+    for _mode in ("overlap", "sync"):
+        TARGETS.append(
+            (
+                f"spec: ngram / plain tokens/s, random, batch {_b}, {_mode}",
+                ">=",
+                0.95,
+                f"{_rand} ngram {_mode}.over_plain",
+            )
+        )
+    for _w in ("repetitive", "random"):
+        for _d in ("plain", "ngram", "twin"):
+            _what = f"spec: overlap / sync tokens/s, {_w}, batch {_b}, {_d}"
+            TARGETS.append((_what, ">=", 1.0, f"spec.{_w} b{_b} {_d}.overlap_over_sync"))
 
 
 def column(folder: str, plot: str, line: str) -> np.ndarray | None:

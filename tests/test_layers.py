@@ -87,17 +87,21 @@ LAYERS: list[set[str]] = [
     {"tfuture.core.future_map"},
     {"tfuture.core.future_fields"},
     {"tfuture.core.batch"},  # Batch, ForwardBatch, StepResult, the Model/Scheduler protocols
+    {"tfuture.spec.batch", "tfuture.spec.drafter", "tfuture.spec.ngram"},  # drafts' data, drafters
     {"tfuture.streams.*"},  # stream backends, staging rings, RunStats
     {"tfuture.sampling.*"},  # the device Sampler
+    {"tfuture.spec.verify"},  # greedy acceptance, rejection sampling
     {"tfuture.steps", "tfuture.steps.masks", "tfuture.steps.samplers", "tfuture.steps.checks"},
     {"tfuture.steps.base"},  # the step-kind interface
     {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token_state"},  # a token step's records
     {"tfuture.steps.token", "tfuture.steps.speculative"},
+    {"tfuture.spec.step"},  # the token step with drafts
     {"tfuture.grammars.*"},
     {"tfuture.runtime"},
     {"tfuture.scheduler.*"},  # ContinuousBatcher, ServingScheduler, RequestSpec, GenerationParams
     {"tfuture.models.*"},
+    {"tfuture.spec.model_drafter", "tfuture.spec"},  # a draft model; the speculative package
     {"tfuture.engine.*"},  # Engine, generate: the front door
     {"tfuture"},  # the public names; no module of tfuture imports it
     {"tfuture.distributed.*"},

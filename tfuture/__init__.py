@@ -20,12 +20,14 @@ Layers, lowest first; a module imports only from its own layer or lower ones
    6. ``core.future_fields`` (``FutureFields``), 7. ``core.batch`` (``Batch`` and the protocols);
 8. ``streams``: stream backends, staging rings, ``RunStats``;
 9. ``sampling``: the device ``Sampler``;
-10. ``steps``: step kinds (``steps.masks``; ``steps.base``; ``steps.token``, ``steps.speculative``);
+10. ``steps``: step kinds (``steps.masks``; ``steps.base``; ``steps.token``, ``steps.speculative``;
+    ``spec.step``, the token step with drafts; ``spec.batch``, ``spec.ngram`` and ``spec.verify``
+    sit lower, beside the batch and the sampler);
 11. ``grammars``: the matcher protocol, bitmasks, the xgrammar adapter;
 12. ``runtime``: the loop; 13. ``scheduler``: ``ContinuousBatcher``, ``ServingScheduler``,
-    ``GenerationParams``; 14. ``models``; 15. ``engine``: ``Engine``, ``generate``; 16. this
-    package; 17. ``distributed``, 18. ``examples``, 19. ``testing`` (test tools: nothing else
-    imports them).
+    ``GenerationParams``; 14. ``models`` (then ``spec.model_drafter`` and the ``spec`` package);
+    15. ``engine``: ``Engine``, ``generate``; 16. this package; 17. ``distributed``,
+    18. ``examples``, 19. ``testing`` (test tools: nothing else imports them).
 """
 
 from tfuture.core.batch import Batch, ForwardBatch, HostMeta, Model, Scheduler, StepResult
@@ -48,6 +50,7 @@ from tfuture.scheduler import (
     ServingScheduler,
     TokenUpdate,
 )
+from tfuture.spec import Drafter, ModelDrafter, NGramDrafter
 from tfuture.steps.token import Buckets
 from tfuture.streams.stats import RunStats
 
@@ -56,6 +59,7 @@ __all__ = [
     "Buckets",
     "Completion",
     "ContinuousBatcher",
+    "Drafter",
     "Engine",
     "EngineError",
     "ForwardBatch",
@@ -68,6 +72,8 @@ __all__ = [
     "GenerationParams",
     "HostMeta",
     "Model",
+    "ModelDrafter",
+    "NGramDrafter",
     "OverlapRuntime",
     "PreparedInputs",
     "RequestOutput",

@@ -1,12 +1,14 @@
 """What ``HFCausalLM`` refuses at construction, and what its KV pool refuses at a step.
 
-* Sliding windows below ``max_len``, whatever config key declares them (Mistral, Phi-3,
-  Starcoder2 and Mixtral set ``sliding_window`` without ``layer_types``), and windows the probe
-  forward sees in the attention call; a window of at least ``max_len`` never binds and runs
-  token for token like ``generate``.
+* Limited attention the pooled attention does not reproduce, whatever config key declares it
+  (``attention_chunk_size``, other window keys, chunked layer types, bidirectional attention,
+  sliding windows where transformers < 4.53 masks per model), and an attention call whose window
+  disagrees with the config. Sliding windows themselves run (per layer, as ``layer_types`` and
+  ``sliding_window`` say; ``test_hf_windows.py`` runs them against transformers).
+* Rope types whose frequencies follow the longest position of the forward (``dynamic``,
+  ``longrope``) when ``max_len`` passes the original context.
 * Architectures the pooled attention cannot serve, found by the one-token probe: StableLM and
-  Nemotron (layers that do not pass the attention kwargs), DeepSeek-V3 (latent attention: keys
-  and values of different head sizes). The model is left as it was.
+  Nemotron (layers that do not pass the attention kwargs). The model is left as it was.
 * A request that arrives with cached tokens but owns no KV row, and a step with more requests
   than the pool has rows: clear errors at that step, no row taken.
 """
@@ -29,6 +31,7 @@ from tfuture.models import HFCausalLM, KVPool  # noqa: E402
 from tfuture.runtime import OverlapRuntime  # noqa: E402
 from tfuture.testing import ContinuousBatcher, RequestSpec  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 64
 TINY = dict(
     vocab_size=VOCAB,
@@ -70,18 +73,22 @@ def run_one(adapter: HFCausalLM, prompt: np.ndarray, n: int) -> list[int]:
 
 PROMPT = np.arange(1, 7)
 
-# -- sliding windows --------------------------------------------------------------------------
+# -- sliding windows and other limited attention ------------------------------------------------
 
 WINDOWED = ["MistralConfig", "Phi3Config", "Starcoder2Config", "MixtralConfig"]
 
 
 @pytest.mark.parametrize("config", WINDOWED)
-def test_a_sliding_window_below_max_len_is_refused_naming_the_key(config):
-    model = tiny(config, sliding_window=4)
-    # Accepted before: the 5th+ tokens then differed from generate (the window was ignored).
-    with pytest.raises(ValueError, match=r"config\.sliding_window=4 limits attention .* max_len=32"):
-        HFCausalLM(model, max_requests=2, max_len=32)
-    assert model.config._attn_implementation == "sdpa"  # left as it was
+def test_a_sliding_window_without_layer_types_windows_every_layer(config):
+    # Refused before (the pooled attention had no window); tests/models/test_hf_windows.py
+    # runs them against transformers.
+    adapter = HFCausalLM(tiny(config, sliding_window=4), max_requests=2, max_len=32)
+    assert adapter.pool.windows == (4, 4)
+    # A window of at least max_len never binds: not masked.
+    assert HFCausalLM(tiny(config, sliding_window=32), max_requests=2, max_len=32).pool.windows == (
+        None,
+        None,
+    )
 
 
 def test_a_window_that_never_binds_runs_like_generate():
@@ -90,51 +97,125 @@ def test_a_window_that_never_binds_runs_like_generate():
     assert run_one(HFCausalLM(model, max_requests=2, max_len=16), PROMPT, 8) == generate(model, PROMPT, 8)
 
 
-def test_windows_in_other_keys_and_per_layer_lists_are_refused():
-    model = tiny("Qwen2Config", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    with pytest.raises(ValueError, match=r"config\.layer_types with \['sliding_attention'\]"):
-        HFCausalLM(model, max_requests=2, max_len=32)
-    # use_sliding_window=False switches Qwen2's window off: accepted.
+def test_qwen2_windows_follow_use_sliding_window_and_max_window_layers():
+    on = tiny("Qwen2Config", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert HFCausalLM(on, max_requests=2, max_len=32).pool.windows == (None, 4)
+    # use_sliding_window=False switches Qwen2's window off.
     off = tiny("Qwen2Config", use_sliding_window=False, sliding_window=4)
-    HFCausalLM(off, max_requests=2, max_len=32)
-    for key, value in (("sliding_window", [None, 8]), ("window_size", 4), ("attention_chunk_size", 16)):
-        llama = build_llama(vocab=VOCAB, hidden=32, layers=2)
-        setattr(llama.config, key, value)
-        with pytest.raises(
-            ValueError, match=rf"config\.{key}={value!r} limits attention".replace("[", r"\[")
-        ):
-            HFCausalLM(llama, max_requests=2, max_len=32)
+    assert HFCausalLM(off, max_requests=2, max_len=32).pool.windows == (None, None)
 
 
-def test_a_window_the_attention_call_carries_is_refused_by_the_probe():
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("sliding_window", [None, 8], r"config\.sliding_window must be an int >= 1 or None, got \[None, 8\]"),
+        ("window_size", 4, r"config\.window_size=4 limits attention below the KV pool's max_len=32"),
+        ("attention_chunk_size", 16, r"config\.attention_chunk_size=16 limits attention below .*max_len=32"),
+        (
+            "layer_types",
+            ["chunked_attention", "full_attention"],
+            r"config\.layer_types .* \['chunked_attention'\]",
+        ),
+        (
+            "layer_types",
+            ["sliding_attention", "full_attention"],
+            r"'sliding_attention' layers, config\.sliding_window is None",
+        ),
+        ("layer_types", ["full_attention"], r"each of its 2 layers, got 1 entries"),
+    ],
+    ids=["window-list", "window_size", "attention_chunk_size", "chunked-layer", "no-window", "short-types"],
+)
+def test_limited_attention_the_pool_does_not_reproduce_is_refused_naming_the_key(key, value, match):
+    llama = build_llama(vocab=VOCAB, hidden=32, layers=2)
+    setattr(llama.config, key, value)
+    with pytest.raises(ValueError, match=match):
+        HFCausalLM(llama, max_requests=2, max_len=32)
+    assert llama.config._attn_implementation == "sdpa"  # left as it was
+
+
+def test_bidirectional_attention_is_refused():
+    model = tiny("Gemma3TextConfig", head_dim=8, use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match=r"use_bidirectional_attention=True is not causal"):
+        HFCausalLM(model, max_requests=2, max_len=32)
+
+
+def test_windows_are_refused_where_transformers_masks_per_model():
+    """Before 4.53 (no masking_utils) each model built its own sliding mask: not reproduced."""
+    model = tiny("MistralConfig", sliding_window=4)
+    with (
+        mock.patch("tfuture.models.hf_config._masks_from_layer_types", return_value=False),
+        pytest.raises(ValueError, match=r"sliding_window=4 is below the KV pool's max_len=32.*< 4\.53"),
+    ):
+        HFCausalLM(model, max_requests=2, max_len=32)
+    assert HFCausalLM(model, max_requests=2, max_len=4).pool.windows == (None, None)
+
+
+def test_an_attention_call_whose_window_disagrees_with_the_config_is_refused_by_the_probe():
     """Whatever key a model reads its window from, the probe sees it in the attention call."""
     model = tiny("MistralConfig", sliding_window=4)
     with (
-        mock.patch("tfuture.models.hf._check_windows"),
+        mock.patch("tfuture.models.hf.layer_windows", return_value=(None, None)),
         pytest.raises(
-            ValueError, match=r"layer 0 attends with sliding_window=4, below the KV pool's max_len=32"
+            ValueError, match=r"layer 0 attends with sliding_window=4, its config gives it full attention"
         ),
     ):
         HFCausalLM(model, max_requests=2, max_len=32)
     assert model.config._attn_implementation == "sdpa"
 
 
-# -- architectures the pooled attention cannot serve --------------------------------------------
+def test_a_window_changed_after_construction_fails_the_step_naming_the_layer():
+    model = tiny("MistralConfig", sliding_window=4)
+    adapter = HFCausalLM(model, max_requests=2, max_len=32)
+    model.config.sliding_window = 6  # Mistral's attention reads it at each call
+    try:
+        with pytest.raises(
+            ValueError, match=r"layer 0 attends with sliding_window=6, the KV pool gives it a window of 4"
+        ):
+            run_one(adapter, PROMPT, 2)
+    finally:
+        model.config.sliding_window = 4
 
-DEEPSEEK = dict(
-    num_key_value_heads=4,
-    q_lora_rank=None,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=8,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
-)
+
+# -- rope that depends on the step ----------------------------------------------------------
+
+
+def rope_model(rope_type: str) -> Any:
+    """A 16-position model whose rope frequencies follow the longest position of the forward."""
+    if rope_type == "dynamic":
+        return tiny(
+            "LlamaConfig", max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 4.0}
+        )
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}
+    return tiny(
+        "Phi3Config", max_position_embeddings=64, original_max_position_embeddings=16, rope_scaling=scaling
+    )
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_that_follows_the_longest_position_is_refused_past_the_original_context(rope_type):
+    model = rope_model(rope_type)
+    # Accepted before: a short request's tokens changed when a long one shared its step.
+    with pytest.raises(
+        ValueError,
+        match=rf"rope type '{rope_type}' .* max_len=17 passes the original context of 16 positions",
+    ):
+        HFCausalLM(model, max_requests=2, max_len=17)
+    assert model.config._attn_implementation == "sdpa"
+    # Within it the frequencies are fixed: a short request gives the same tokens alone and
+    # beside a long one, and those of generate.
+    adapter = HFCausalLM(model, max_requests=2, max_len=16)
+    short, long = np.arange(1, 4), np.arange(1, 13)
+    alone = run_one(adapter, short, 4)
+    fmap = FutureMap(16, device="cpu")
+    specs = [RequestSpec(0, 0, short, 4), RequestSpec(1, 0, long, 4)]
+    sched = ContinuousBatcher(specs, fmap, eos=-1, max_running=2)
+    with torch.inference_mode():
+        OverlapRuntime(adapter, fmap).run(sched)
+    assert sched.outputs[0] == alone == generate(model, short, 4)
+    assert sched.outputs[1] == generate(model, long, 4)
+
+
+# -- architectures the pooled attention cannot serve --------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -142,14 +223,8 @@ DEEPSEEK = dict(
     [
         ("StableLmConfig", {}, r"StableLmForCausalLM \(model_type 'stablelm'\): its decoder layers call"),
         ("NemotronConfig", {}, r"NemotronForCausalLM \(model_type 'nemotron'\): its decoder layers call"),
-        (
-            "DeepseekV3Config",
-            DEEPSEEK,
-            r"DeepseekV3ForCausalLM .*keys and values differ in shape .* key heads x size 4 x 24, "
-            r"value 4 x 8",
-        ),
     ],
-    ids=["stablelm", "nemotron", "deepseek-v3"],
+    ids=["stablelm", "nemotron"],
 )
 def test_architectures_that_would_crash_mid_run_are_refused_at_construction(config, kw, match):
     model = tiny(config, **kw)

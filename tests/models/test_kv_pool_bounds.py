@@ -101,3 +101,34 @@ def test_the_mask_is_causal_and_each_token_sees_its_own_key():
     assert mask[0, 0].tolist() == [True, True, False]
     # Request 1 (a prefill of 3): row i sees keys 0..i.
     assert torch.equal(mask[1], torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+
+
+def test_a_windowed_layer_sees_its_last_window_keys_only():
+    """transformers' semantics: query ``i`` sees keys ``j`` with ``i - window < j <= i``."""
+    kv = KVPool(2, 2, 8, HEADS, HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"), windows=[None, 3])
+    forward(kv, step([0], [2], [0]))  # request 0 has two tokens cached
+    layout = StepLayout.build(kv, step([2, 0], [1, 5], [0, 1]))
+    window = layout.windowed[3][:, 0]
+    assert window[0, 0].tolist() == [True, True, True, False, False]  # position 2: keys 0..2
+    expect = [[abs(i - j) < 3 and j <= i for j in range(5)] for i in range(5)]
+    assert window[1].tolist() == expect
+    # Padding rows of request 0 stand at its token, so no row is empty; the full mask is causal.
+    assert window[0, 1:].tolist() == [window[0, 0].tolist()] * 4
+    assert torch.equal(layout.mask[1, 0], torch.tril(torch.ones(5, 5, dtype=torch.bool)))
+    # Additive masks for eager attention: 0 where visible, the dtype's minimum elsewhere.
+    additive = StepLayout.build(kv, step([3, 0], [1, 5], [0, 1]), additive=torch.float64).windowed[3]
+    assert additive.dtype == torch.float64
+    assert additive[0, 0, 0].tolist() == [torch.finfo(torch.float64).min] + [0.0] * 3 + [
+        torch.finfo(torch.float64).min
+    ]
+
+
+def test_window_and_value_shape_arguments():
+    cpu = torch.device("cpu")
+    kv = KVPool(3, 1, 8, 2, 6, dtype=torch.float32, device=cpu, value_shape=(2, 4), windows=[8, 2, None])
+    assert kv.windows == (None, 2, None)  # a window of max_len never binds
+    assert kv.k.shape == (3, 1, 8, 2, 6) and kv.v.shape == (3, 1, 8, 2, 4)
+    with pytest.raises(ValueError, match=r"one entry per layer \(3\), got 2"):
+        KVPool(3, 1, 8, 2, 6, dtype=torch.float32, device=cpu, windows=[2, 2])
+    with pytest.raises(ValueError, match=r"a layer's window must be None or an int >= 1, got 0"):
+        KVPool(1, 1, 8, 2, 6, dtype=torch.float32, device=cpu, windows=[0])

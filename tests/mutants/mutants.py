@@ -31,6 +31,8 @@ CPU_EDGES = (K + "test_cpu_path_edges.py",)
 FENCE = (K + "test_bitmask_fence.py",)
 MALFORMED = (K + "test_prepare_malformed.py",)
 MAP_EDGES = ("tests/core/test_map_edges.py",)
+SPEC_VERIFY = ("tests/spec/test_verify.py",)
+SPEC_HF = ("tests/spec/test_spec_hf.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- kernels: numpy path (cpu.py)
@@ -481,25 +483,25 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- sampling
     Mutant(
         "sampler-top-p-tie",
-        "tfuture/sampling/sampler.py",
-        "p = p.masked_fill(c - p >= floats[R_TOP_P].unsqueeze(1) * c[:, -1:], 0)",
-        "p = p.masked_fill(c - p > floats[R_TOP_P].unsqueeze(1) * c[:, -1:], 0)",
+        "tfuture/sampling/filters.py",
+        "p = p.masked_fill(c - p >= top_p.unsqueeze(1) * c[:, -1:], 0)",
+        "p = p.masked_fill(c - p > top_p.unsqueeze(1) * c[:, -1:], 0)",
         ("tests/sampling/test_sampler_ties.py",),
         "top-p keeps a token whose preceding mass already equals top_p exactly",
     ),
     Mutant(
         "sampler-top-k-one-more",
-        "tfuture/sampling/sampler.py",
-        "self._columns(vocab, x.device) >= top_k.unsqueeze(1)",
-        "self._columns(vocab, x.device) > top_k.unsqueeze(1)",
+        "tfuture/sampling/filters.py",
+        "p = p.masked_fill(columns >= top_k.unsqueeze(1), 0)",
+        "p = p.masked_fill(columns > top_k.unsqueeze(1), 0)",
         ("tests/sampling/test_sampler.py",),
         "top-k keeps k + 1 tokens",
     ),
     Mutant(
         "sampler-min-p-tie",
-        "tfuture/sampling/sampler.py",
-        "p = p.masked_fill(p < floats[R_MIN_P].unsqueeze(1) * p[:, :1], 0)",
-        "p = p.masked_fill(p <= floats[R_MIN_P].unsqueeze(1) * p[:, :1], 0)",
+        "tfuture/sampling/filters.py",
+        "p = p.masked_fill(p < min_p.unsqueeze(1) * p[:, :1], 0)",
+        "p = p.masked_fill(p <= min_p.unsqueeze(1) * p[:, :1], 0)",
         ("tests/sampling/test_sampler.py",),
         "min-p drops a token exactly at the threshold (min_p=1 drops the top token too)",
     ),
@@ -824,5 +826,55 @@ MUTANTS: tuple[Mutant, ...] = (
         "        why = None\n",
         ("tests/grammars/test_json_invalid.py",),
         "an output xgrammar accepted that is not JSON (xgrammar #800) finishes as stop, unflagged",
+    ),
+    # ---------------------------------------------------------------- speculative decoding
+    Mutant(
+        "verify-accept-unnormalised",
+        "tfuture/spec/verify.py",
+        "accept = is_draft & (u_accept * total < p_x)",
+        "accept = is_draft & (u_accept < p_x)",
+        SPEC_VERIFY,
+        "a draft is accepted with its filtered mass before renormalisation (too rarely under top-p/top-k)",
+    ),
+    Mutant(
+        "verify-residual-keeps-draft",
+        "tfuture/spec/verify.py",
+        "residual = p.masked_fill(is_x & is_draft.unsqueeze(1), 0)",
+        "residual = p",
+        SPEC_VERIFY,
+        "a rejected draft can be drawn again from the residual: its token is over-represented",
+    ),
+    Mutant(
+        "verify-greedy-accepts-any",
+        "tfuture/spec/verify.py",
+        "accept = is_draft & (drafts == target)",
+        "accept = is_draft",
+        SPEC_VERIFY,
+        "greedy verification accepts every draft, right or wrong",
+    ),
+    Mutant(
+        "spec-positions-from-host-bound",
+        "tfuture/spec/step.py",
+        "delta = base - inputs.spec_prefix",
+        "delta = 0 * (base - inputs.spec_prefix)",
+        SPEC_HF,
+        "a verifying request's positions come from the host's bound, not the accepted length: "
+        "the KV rows are not rolled back (rejected drafts' keys stay in the attention)",
+    ),
+    Mutant(
+        "spec-tokens-past-finish-kept",
+        "tfuture/scheduler/batcher.py",
+        "                if r.finished:\n                    self.extra_tokens += 1\n",
+        "                if False:\n                    self.extra_tokens += 1\n",
+        SPEC_HF,
+        "tokens committed past a stop or the length limit in an accepted run are returned",
+    ),
+    Mutant(
+        "ngram-earliest-match",
+        "tfuture/spec/ngram.py",
+        "latest = torch.where(hit, starts, -1).amax(dim=1)",
+        "latest = torch.where(hit, starts, starts.shape[1]).amin(dim=1).masked_fill(~hit.any(dim=1), -1)",
+        SPEC_VERIFY,
+        "prompt lookup continues the earliest match instead of the latest",
     ),
 )

@@ -50,6 +50,7 @@ from tfuture.engine.outputs import (
     _Collector,
 )
 from tfuture.engine.requests import RequestPreparer, _Prepared
+from tfuture.engine.speculative import check_drafter, check_spec_request, margin, spec_step
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.scheduler.options import GenerationParams
@@ -99,6 +100,12 @@ class Engine:
         history_rows: live requests with penalties at once (default ``max_running``).
         stream, delay, trace: :class:`tfuture.OverlapRuntime`'s ``stream`` and ``trace`` and
             the scheduler's ``delay`` (grammar rows).
+        speculative: a drafter (:class:`tfuture.NGramDrafter`, :class:`tfuture.ModelDrafter`,
+            or a :class:`tfuture.spec.Drafter` of your own): every request verifies ``k`` drafts
+            a step (greedy output equal to plain decoding; sampled output following the model's
+            distribution exactly). A structured-output request makes no drafts (its tokens follow
+            its grammar's masks); penalties are not served with drafts yet: such a request is
+            refused at submission. None (the default): plain decoding.
 
     Use it as a context manager, or call :meth:`close`: it aborts what is live and waits for
     the background thread.
@@ -121,20 +128,30 @@ class Engine:
         stream: str = "auto",
         delay: str = "batch",
         trace: bool = False,
+        speculative: Any = None,
     ) -> None:
         max_running = _count("max_running", max_running)
         if max_len is not None:
             max_len = _count("max_len", max_len)
-        self.model, self.max_len = _adapt(model, max_running, max_len)
+        self.drafter = check_drafter(speculative)
+        extra = margin(self.drafter)  # KV positions for drafts verified past a request's end
+        self.model, pool_len = _adapt(model, max_running, None if max_len is None else max_len + extra)
+        self.max_len = max_len if max_len is not None or pool_len is None else pool_len - extra
         self.tokenizer = tokenizer
         self.vocab: int | None = vocab_size if vocab_size is not None else _vocab(self.model)
         self.eos: tuple[int, ...] = _eos(eos_token_id, self.model, tokenizer)
         rows = max_running if history_rows is None else history_rows
-        self.fmap = FutureMap(4 * max_running + 8, device=_device(self.model, device))
+        k = 0 if self.drafter is None else self.drafter.k
+        self.fmap = FutureMap((4 * max_running + 8) * (1 + k), device=_device(self.model, device))
         self.sampler = Sampler(history_rows=rows)
-        self.runtime = OverlapRuntime(
-            self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
-        )
+        if self.drafter is None:
+            self.runtime = OverlapRuntime(
+                self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
+            )
+        else:
+            assert self.max_len is not None
+            kind = spec_step(self.model, self.drafter, self.sampler, max_running, self.max_len + extra)
+            self.runtime = OverlapRuntime(kind, self.fmap, overlap=overlap, stream=stream, trace=trace)
         self.scheduler = ServingScheduler(
             self.fmap,
             max_running=max_running,
@@ -143,6 +160,7 @@ class Engine:
             delay=delay,
             history_rows=rows,
             retain=False,
+            speculative=k,
         )
         self.max_running = max_running
         self.last_stats: RunStats | None = None  # the last run that ended normally
@@ -261,6 +279,9 @@ class Engine:
         """Give each request an id and queue it, all or none; then make sure a thread drives
         the runtime (``start``)."""
         rids: list[int] = []
+        if self.drafter is not None:
+            for i, p in enumerate(items):
+                check_spec_request(f"request {i} of this call", p.spec_kw)
         with self._cond:
             if self._closed:
                 raise RuntimeError("this Engine is closed")

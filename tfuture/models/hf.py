@@ -13,13 +13,20 @@ or ``eager``, what the model had): during the adapter's forward it writes the st
 the pool and attends over each request's cached row through the inner function with an
 explicit mask; without the adapter's step (``generate``, training) it is exactly ``inner``.
 
-What is refused at construction (nothing of the model changes then): sliding-window and other
-non-full attention (any ``*window``/``*window_size`` key or ``attention_chunk_size`` below
-``max_len``, non-full ``layer_types``; a window of at least ``max_len`` never binds and is
-fine), and, found by a one-token probe forward, architectures whose layers do not hand the
-attention kwargs to the attention function (StableLM, Nemotron: the pooled attention would
-never see the step), whose keys and values differ in shape (DeepSeek-V2/V3's latent attention),
-or whose attention is called with a sliding window.
+Sliding-window layers (Mistral, Mixtral, Qwen2/Qwen3 with ``layer_types``, Gemma2, Gemma3,
+Phi-3, Starcoder2, gpt-oss) attend within their window as transformers masks them (see
+:mod:`tfuture.models.hf_config`; transformers >= 4.53, tested on 5.24.0). Keys and values may
+differ in shape (DeepSeek-V2/V3's latent attention): the pool holds each in its own.
+
+What is refused at construction (nothing of the model changes then): other limited attention
+below ``max_len`` (``attention_chunk_size``, other ``*window``/``*window_size`` keys, layer
+types other than full and sliding, bidirectional attention; sliding windows on transformers
+< 4.53), a rope type whose frequencies follow the step's longest position (``"dynamic"``,
+``"longrope"``) when ``max_len`` passes the original context, and, found by a one-token probe
+forward, architectures whose layers do not hand the attention kwargs to the attention function
+(StableLM, Nemotron: the pooled attention would never see the step; Falcon, Bloom, MPT do not
+use the attention interface at all), whose head shapes differ between layers, or whose
+attention calls carry a window other than the one their config gives.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from tfuture.core.batch import ForwardBatch
+from tfuture.models.hf_config import arch, check_rope, layer_windows
 from tfuture.models.kv_pool import KVPool, StepLayout
 from tfuture.streams.backends import stream_host_thread
 
@@ -98,20 +106,21 @@ def _pool_attention(
         return fn(module, query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
     if isinstance(layout, _Probe):
-        layer = getattr(module, "layer_idx", None)
-        layout.calls.append(_Call(layer, tuple(key.shape), tuple(value.shape), window))
+        idx = getattr(module, "layer_idx", None)
+        layout.calls.append(_Call(idx, tuple(key.shape), tuple(value.shape), window))
         return fn(module, query, key, value, attention_mask, **kwargs)
-    if window is not None and window < layout.pool.max_len:  # refused at construction already
-        raise ValueError(
-            f"layer {module.layer_idx} attends with sliding_window={window}, below the KV pool's "
-            f"max_len={layout.pool.max_len}: the pooled attention has no window"
+    layer: int = module.layer_idx  # type: ignore[assignment]
+    if window is not None and _binding(window, layout.pool.max_len) != layout.pool.windows[layer]:
+        raise ValueError(  # the probe checked each layer at construction: a model changed since
+            f"layer {layer} attends with sliding_window={window}, the KV pool gives it "
+            f"{_describe(layout.pool.windows[layer])} (max_len={layout.pool.max_len})"
         )
     kwargs["dropout"] = 0.0
 
     def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return fn(module, q, k, v, mask, **kwargs)[0]
 
-    return layout.attend(module.layer_idx, query, key, value, attn), None  # type: ignore[arg-type]
+    return layout.attend(layer, query, key, value, attn), None
 
 
 def _register(inner: str) -> str:
@@ -129,61 +138,31 @@ def _register(inner: str) -> str:
     return name
 
 
-def _arch(model: Any) -> str:
-    return f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r})"
+def _binding(window: object, max_len: int) -> int | None:
+    """An attention call's ``sliding_window`` kwarg as the KV pool stores it (``None``: never binds)."""
+    if isinstance(window, int) and not isinstance(window, bool) and window < max_len:
+        return window
+    return None
 
 
-def _sizes(value: object) -> list[int]:
-    """The ints in a config value (an int, or a per-layer list of them, nested or with None)."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [v for item in value for v in _sizes(item)]
-    return []
+def _describe(window: int | None) -> str:
+    return "full attention" if window is None else f"a window of {window}"
 
 
-def _check_windows(model: Any, max_len: int) -> None:
-    """Raise ``ValueError`` for a config that limits attention below ``max_len``, whatever key says so."""
-    arch = _arch(model)
-    cfg = model.config
-    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"]
-    others = sorted({str(t) for t in layer_types if t != "full_attention"})
-    if others:
-        raise ValueError(
-            f"{arch}: only full-attention layers are supported, got config.layer_types with {others}"
-        )
-    todo: list[tuple[str, dict[str, Any]]] = [("", cfg.to_dict())]
-    while todo:
-        where, d = todo.pop()
-        # Qwen2-style configs keep a sliding_window that only use_sliding_window switches on.
-        off = d.get("use_sliding_window") is False
-        for key, value in d.items():
-            if isinstance(value, dict):
-                todo.append((f"{where}{key}.", value))
-                continue
-            if not isinstance(key, str) or not (
-                key.endswith(("window", "window_size")) or key == "attention_chunk_size"
-            ):
-                continue
-            if off and key == "sliding_window":
-                continue
-            small = [v for v in _sizes(value) if v < max_len]
-            if small:
-                raise ValueError(
-                    f"{arch}: config.{where}{key}={value!r} limits attention to a window below the KV "
-                    f"pool's max_len={max_len}, and the pooled attention attends over the whole prefix "
-                    f"(build the adapter with max_len <= {min(small)}, or use a model without the window)"
-                )
+@dataclass(frozen=True, slots=True)
+class _Shapes:
+    """What every layer writes into the KV pool: key and value ``(heads, head_dim)``."""
+
+    key: tuple[int, int]
+    value: tuple[int, int]
 
 
-def _probe(model: Any, inner: str, max_len: int) -> tuple[int, int]:
-    """One-token forward through the registered attention: ``(kv_heads, head_dim)`` of the
-    keys every layer writes; ``TypeError``/``ValueError`` naming the architecture when a layer
-    does not hand the step to its attention, keys and values differ in shape, or a layer
-    attends with a window."""
-    arch, cfg = _arch(model), model.config
+def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> _Shapes:
+    """One-token forward through the registered attention: the key and value head shapes every
+    layer writes; ``TypeError``/``ValueError`` naming the architecture when a layer does not
+    hand the step to its attention, the head shapes differ between layers, or a layer's
+    attention call carries a window other than the one its config gives (``windows``)."""
+    arch_, cfg = arch(model), model.config
     param = next(model.parameters())
     probe = _Probe()
     if inner == "eager":
@@ -203,40 +182,41 @@ def _probe(model: Any, inner: str, max_len: int) -> tuple[int, int]:
             )
     except Exception as e:
         raise TypeError(
-            f"{arch}: a one-token probe forward through tfuture's pooled attention failed "
+            f"{arch_}: a one-token probe forward through tfuture's pooled attention failed "
             f"({type(e).__name__}: {e})"
         ) from e
     n_layers = cfg.num_hidden_layers
     if not probe.calls:
         raise TypeError(
-            f"{arch}: its decoder layers call the attention function without the attention kwargs, "
+            f"{arch_}: its decoder layers call the attention function without the attention kwargs, "
             "so the pooled attention would never see the step (each request would attend over its "
             "own new tokens only); not supported"
         )
     layers = sorted(c.layer for c in probe.calls if c.layer is not None)
     if len(layers) < len(probe.calls) or layers != list(range(n_layers)):
         raise TypeError(
-            f"{arch}: every one of its {n_layers} layers must call the attention function once per "
+            f"{arch_}: every one of its {n_layers} layers must call the attention function once per "
             f"forward with the attention kwargs and a layer_idx, got the calls of layers "
             f"{[c.layer for c in probe.calls]}; not supported"
         )
+    first = probe.calls[0]
+    shapes = _Shapes((first.key[1], first.key[-1]), (first.value[1], first.value[-1]))
     for c in probe.calls:
-        if c.key[1] != c.value[1] or c.key[-1] != c.value[-1]:
+        if _Shapes((c.key[1], c.key[-1]), (c.value[1], c.value[-1])) != shapes:
             raise TypeError(
-                f"{arch}: keys and values differ in shape (layer {c.layer}: key heads x size "
-                f"{c.key[1]} x {c.key[-1]}, value {c.value[1]} x {c.value[-1]}), as in multi-head latent "
-                "attention; the KV pool holds keys and values of one shape; not supported"
+                f"{arch_}: the key/value head shapes differ between layers (layer 0: key {shapes.key}, "
+                f"value {shapes.value}; layer {c.layer}: key {c.key[1], c.key[-1]}, value "
+                f"{c.value[1], c.value[-1]}); not supported"
             )
-        if (c.key[1], c.key[-1]) != (probe.calls[0].key[1], probe.calls[0].key[-1]):
-            raise TypeError(f"{arch}: the key/value head shapes differ between layers; not supported")
-        if isinstance(c.window, int) and not isinstance(c.window, bool) and c.window < max_len:
+        assert c.layer is not None
+        # Models that mask without passing the window (PhiMoE, Qwen2-MoE) pass None: the config decides.
+        if c.window is not None and _binding(c.window, max_len) != windows[c.layer]:
             raise ValueError(
-                f"{arch}: layer {c.layer} attends with sliding_window={c.window}, below the KV pool's "
-                f"max_len={max_len}, and the pooled attention attends over the whole prefix (build the "
-                f"adapter with max_len <= {c.window})"
+                f"{arch_}: layer {c.layer} attends with sliding_window={c.window!r}, its config gives it "
+                f"{_describe(windows[c.layer])} (max_len={max_len}): the pooled attention cannot tell "
+                "which one its masks follow; not supported"
             )
-    first = probe.calls[0].key
-    return first[1], first[-1]
+    return shapes
 
 
 class HFCausalLM:
@@ -250,8 +230,12 @@ class HFCausalLM:
             ``max_running``. A step with more requests than rows, or a new request when every
             row is live, raises ``RuntimeError`` ("KV pool full", naming both numbers) at that
             step.
-        max_len: positions per row (prompt plus generated tokens). A sliding window (or chunked
-            attention) below it is refused (``ValueError`` naming the config key and value).
+        max_len: positions per row (prompt plus generated tokens). Sliding-window layers
+            (``config.sliding_window``, per ``config.layer_types``) are masked to their window;
+            other limited attention below it (chunked attention, other window keys) and a rope
+            type that depends on the step's longest position (``"dynamic"``, ``"longrope"``)
+            with ``max_len`` past the original context are refused (``ValueError`` naming the
+            config key or rope type and the limit).
 
     Construction runs a one-token probe forward and refuses (``TypeError``) architectures the
     pooled attention cannot serve (see the module docstring); the model is left unchanged then.
@@ -262,9 +246,10 @@ class HFCausalLM:
     ``close()`` leaves the KV pool alone. Give each concurrent runtime its own adapter (they
     may wrap the same model).
 
-    ``pool.k``/``pool.v`` ``[n_layers, max_requests, max_len, n_kv_heads, head_dim]`` in the
-    model's dtype, on its device, allocated once. ``forward`` reads only host mirrors on the
-    host (no device sync) and returns logits ``[n_sample, vocab]`` for the sampling rows.
+    ``pool.k``/``pool.v`` ``[n_layers, max_requests, max_len, heads, head_dim]`` (keys and values
+    each with the head shape the model gives them) in the model's dtype, on its device,
+    allocated once. ``forward`` reads only host mirrors on the host (no device sync) and
+    returns logits ``[n_sample, vocab]`` for the sampling rows.
     """
 
     def __init__(self, model: Any, *, max_requests: int, max_len: int) -> None:
@@ -277,7 +262,8 @@ class HFCausalLM:
         for arg, v in (("max_requests", max_requests), ("max_len", max_len)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
-        _check_windows(model, max_len)
+        windows = layer_windows(model, max_len)
+        check_rope(model, max_len)
         name = _register(inner)
         _set_attention(model, name)
         if cfg._attn_implementation != name:
@@ -286,7 +272,7 @@ class HFCausalLM:
         training = model.training
         model.eval()
         try:
-            n_kv, head_dim = _probe(model, inner, max_len)
+            shapes = _probe(model, inner, max_len, windows)
         except BaseException:
             _set_attention(model, impl)  # refused: the model is left as it was
             model.train(training)
@@ -299,10 +285,11 @@ class HFCausalLM:
             cfg.num_hidden_layers,
             max_requests,
             max_len,
-            n_kv,
-            head_dim,
+            *shapes.key,
             dtype=param.dtype,
             device=param.device,
+            value_shape=shapes.value,
+            windows=windows,
         )
 
     def _claim(self) -> None:
@@ -330,12 +317,9 @@ class HFCausalLM:
         n_tok = batch.host.n_tokens
         if n_tok == 0:
             return torch.zeros(0, self.vocab, device=batch.input_ids.device)
-        layout = StepLayout.build(self.pool, batch)
-        if self.inner == "eager":
-            # Eager attention adds its mask to the scores: an additive float mask.
-            dtype = self.pool.k.dtype
-            additive = torch.zeros(layout.mask.shape, dtype=dtype, device=layout.mask.device)
-            layout = replace(layout, mask=additive.masked_fill_(~layout.mask, torch.finfo(dtype).min))
+        # Eager attention adds its mask to the scores: an additive float mask.
+        additive = self.pool.k.dtype if self.inner == "eager" else None
+        layout = StepLayout.build(self.pool, batch, additive=additive)
         with torch.no_grad():
             out = self.model(
                 input_ids=batch.input_ids[None, :n_tok],

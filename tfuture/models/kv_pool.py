@@ -4,11 +4,16 @@ The pool is framework-free: :class:`KVPool` maps the scheduler's request ids to 
 host, in stream order: rows are taken in ``forward`` and given back in ``release``, both on the
 forward stream), and :class:`StepLayout` turns one step's packed rows into a padded attention
 over the cache, with device index math only (sizes come from the step's host mirrors).
+
+A layer may attend within a sliding window: its query at position ``i`` sees keys ``j`` with
+``i - window < j <= i`` (``window`` keys, its own included), transformers' semantics
+(``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``). Rows keep
+every position; older keys are masked, not dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +28,12 @@ AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torc
 
 
 class KVPool:
-    """``k``, ``v``: ``[n_layers, n_rows, max_len, n_kv_heads, head_dim]``, allocated once.
+    """``k``: ``[n_layers, n_rows, max_len, n_kv_heads, head_dim]``; ``v``: the same with
+    ``value_shape`` ``(heads, head_dim)`` (default the keys' ``(n_kv_heads, head_dim)``; latent
+    attention's values are narrower than its keys), allocated once.
+
+    ``windows``: per layer, its sliding window (``int >= 1``) or ``None`` for full attention
+    (default: all full); a window of at least ``max_len`` never binds and is stored as ``None``.
 
     ``rows_of`` gives each request its row (taken on its first step, which starts at position
     0), ``release`` gives rows back, ``clear`` gives all back. The tensors never grow: a step
@@ -41,15 +51,19 @@ class KVPool:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        value_shape: tuple[int, int] | None = None,
+        windows: Sequence[int | None] | None = None,
     ) -> None:
         for name, v in (("n_layers", n_layers), ("n_rows", n_rows), ("max_len", max_len)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        shape = (n_layers, n_rows, max_len, n_kv_heads, head_dim)
+        self.windows = _windows(windows, n_layers, max_len)
+        v_heads, v_dim = (n_kv_heads, head_dim) if value_shape is None else value_shape
         # Normal tensors even when built under inference mode: a later run may write them under no_grad.
         with torch.inference_mode(False):
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            rows = (n_layers, n_rows, max_len)
+            self.k = torch.zeros((*rows, n_kv_heads, head_dim), dtype=dtype, device=device)
+            self.v = torch.zeros((*rows, v_heads, v_dim), dtype=dtype, device=device)
         self.n_rows, self.max_len = n_rows, max_len
         self._alloc = RowAllocator(n_rows)
 
@@ -109,12 +123,28 @@ class KVPool:
         self._alloc.reset()
 
 
+def _windows(windows: Sequence[int | None] | None, n_layers: int, max_len: int) -> tuple[int | None, ...]:
+    """Per-layer windows, ``None`` where the window never binds (at least ``max_len``)."""
+    if windows is None:
+        return (None,) * n_layers
+    out = tuple(windows)
+    if len(out) != n_layers:
+        raise ValueError(f"windows must give one entry per layer ({n_layers}), got {len(out)}")
+    for w in out:
+        if w is not None and (type(w) is not int or w < 1):
+            raise ValueError(f"a layer's window must be None or an int >= 1, got {w!r}")
+    return tuple(None if w is None or w >= max_len else w for w in out)
+
+
 @dataclass(frozen=True, slots=True)
 class StepLayout:
     """One step's indices. Token ``t`` (packed, ``[n_tok]``) of request ``q`` at offset ``i``
     is padded row ``pad_idx[t] = q * width + i``; it writes cache row ``tok_rows[t]`` at position
-    ``tok_pos[t]``. ``mask [n_reqs, 1, width, kv_len]`` bool: padded row ``(q, i)`` sees keys
-    ``<= prefix[q] + i`` (padding rows see some keys too, so no softmax is empty).
+    ``tok_pos[t]``. ``mask [n_reqs, 1, width, kv_len]``: padded row ``(q, i)`` sees keys
+    ``<= prefix[q] + i`` (padding rows see what the request's last token sees, so no softmax
+    is empty); ``windowed[w]`` the same within window ``w`` (one per window of the pool's
+    layers). Bool masks, or additive ones (0 or the dtype's minimum) when built with
+    ``additive=dtype`` (eager attention adds its mask to the scores).
     """
 
     pool: KVPool
@@ -126,9 +156,10 @@ class StepLayout:
     tok_pos: torch.Tensor
     pad_idx: torch.Tensor
     mask: torch.Tensor
+    windowed: dict[int, torch.Tensor]
 
     @staticmethod
-    def build(pool: KVPool, batch: ForwardBatch) -> StepLayout:
+    def build(pool: KVPool, batch: ForwardBatch, *, additive: torch.dtype | None = None) -> StepLayout:
         """The layout of ``batch``'s real rows and requests (padding of bucketed steps dropped)."""
         host = batch.host
         if host is None or batch.seg_starts is None:
@@ -150,8 +181,12 @@ class StepLayout:
         tok_req = torch.repeat_interleave(torch.arange(n_reqs, device=dev), seg_lens, output_size=n_tok)
         offset = torch.arange(n_tok, device=dev) - starts.index_select(0, tok_req)
         prefix = batch.seq_lens[:n_reqs] - seg_lens
-        last_key = prefix[:, None] + torch.arange(width, device=dev)[None, :]  # [n_reqs, width]
-        mask = torch.arange(kv_len, device=dev)[None, None, :] <= last_key[:, :, None]
+        # Padding rows (offset >= seg_len) stand at the request's last token.
+        cols = torch.minimum(torch.arange(width, device=dev)[None, :], (seg_lens - 1).clamp(min=0)[:, None])
+        last_key = (prefix[:, None] + cols)[:, None, :, None]  # [n_reqs, 1, width, 1]
+        keys = torch.arange(kv_len, device=dev)
+        causal = keys <= last_key
+        windowed = {w: causal & (keys > last_key - w) for w in set(pool.windows) if w is not None}
         return StepLayout(
             pool,
             n_reqs,
@@ -161,14 +196,16 @@ class StepLayout:
             req_rows.index_select(0, tok_req),
             batch.positions[:n_tok],
             tok_req * width + offset,
-            mask[:, None],
+            _as_mask(causal, additive),
+            {w: _as_mask(m, additive) for w, m in windowed.items()},
         )
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttnFn
     ) -> torch.Tensor:
-        """Write this step's ``k``, ``v`` (``[1, kv_heads, n_tok, head_dim]``, packed) into the
-        cache, then attend with ``q [1, heads, n_tok, head_dim]``; returns ``[1, n_tok, heads, head_dim]``.
+        """Write this step's ``k``, ``v`` (``[1, kv_heads, n_tok, head_dim]`` and ``[1, v_heads, n_tok,
+        v_head_dim]``, packed) into the cache, then attend with ``q [1, heads, n_tok, head_dim]``
+        within the layer's window; returns ``[1, n_tok, heads, v_head_dim]``.
         """
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         kc[self.tok_rows, self.tok_pos] = k[0].transpose(0, 1).to(kc.dtype)
@@ -180,6 +217,16 @@ class StepLayout:
         padded = q.new_zeros(self.n_reqs * self.width, n_heads, head_dim)
         padded.index_copy_(0, self.pad_idx, q[0].transpose(0, 1))
         padded = padded.view(self.n_reqs, self.width, n_heads, head_dim).transpose(1, 2)
-        out = attn(padded, keys.to(q.dtype), values.to(q.dtype), self.mask)
+        window = self.pool.windows[layer]
+        mask = self.mask if window is None else self.windowed[window]
+        out = attn(padded, keys.to(q.dtype), values.to(q.dtype), mask)
         out = out.reshape(self.n_reqs * self.width, n_heads, -1).index_select(0, self.pad_idx)
         return out.unsqueeze(0)
+
+
+def _as_mask(visible: torch.Tensor, additive: torch.dtype | None) -> torch.Tensor:
+    """``visible`` (bool), or as an additive mask of dtype ``additive``: 0 where visible, else its minimum."""
+    if additive is None:
+        return visible
+    zeros = torch.zeros(visible.shape, dtype=additive, device=visible.device)
+    return zeros.masked_fill_(~visible, torch.finfo(additive).min)

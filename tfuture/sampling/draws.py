@@ -10,8 +10,9 @@ GOLDEN) >> 11``, scaled to ``[0, 1)`` (53 random bits); numpy uint64, wrapping a
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-__all__ = ["uniform_draws"]
+__all__ = ["device_draws", "uniform_draws"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 # An odd multiplier for the seed, unrelated to _GOLDEN: (seed, pos) and (seed', pos') share an
@@ -60,3 +61,31 @@ def uniform_draws(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
         raise ValueError(f"uniform_draws: positions must be >= 0, got min {p.min()}")
     s, p = np.broadcast_arrays(s, p)
     return draws_unchecked(s.reshape(-1), p.reshape(-1)).reshape(s.shape)  # 1-D: never numpy scalars
+
+
+def _signed(c: np.uint64) -> int:
+    """The int64 with the bits of the uint64 ``c`` (torch has no wrapping uint64 arithmetic)."""
+    v = int(c)
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_T_GOLDEN, _T_SEED_MUL, _T_M1, _T_M2 = (_signed(c) for c in (_GOLDEN, _SEED_MUL, _M1, _M2))
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """The logical right shift of int64 bits (``>>`` on int64 is arithmetic: mask the sign copies)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def device_draws(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`uniform_draws` on the device: float64 ``[m]`` from int64 ``seeds`` and ``positions``
+    ``[m]`` (no host read, so a position known only on the device keys its draw). The same
+    (seed, position) gives the same number as the host function, bit for bit: int64
+    multiplication wraps like uint64 (two's complement), shifts are made logical."""
+    z = seeds * _T_SEED_MUL + (positions + 1) * _T_GOLDEN
+    z = z ^ _shr(z, 30)
+    z = z * _T_M1
+    z = z ^ _shr(z, 27)
+    z = z * _T_M2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).to(torch.float64) * _TO_UNIT

@@ -19,6 +19,7 @@ from tfuture.core.checks import as_count
 from tfuture.core.params import PARAM_WORDS, SamplingParams
 from tfuture.core.rows import RowAllocator
 from tfuture.kernels.bitmask import launch_apply_token_bitmask_
+from tfuture.sampling.filters import inverse_cdf, sorted_probs
 from tfuture.sampling.history import TokenHistory
 from tfuture.sampling.plan import (
     R_DRAW,
@@ -231,6 +232,12 @@ class Sampler:
         if top >= limit:
             raise ValueError(past_vocab(rid, top, limit, plan.step))
 
+    def packed_params(self, req_ids: np.ndarray) -> np.ndarray:
+        """HOST: ``[n, PARAM_WORDS]`` int64, the packed parameters of live ``req_ids`` (admitted
+        ones; the greedy defaults for the others), as :meth:`plan_step` reads them."""
+        rows = self._param_rows
+        return self._params[rows.rows(req_ids, default=0) if rows.held else np.zeros(req_ids.size, np.int64)]
+
     def reset(self) -> None:
         """HOST, after a run (the stream drained): free every history and parameter row. The
         tables stay allocated; a history row is zeroed when it is assigned again."""
@@ -382,24 +389,16 @@ class Sampler:
     ) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then inverse-CDF sampling with each row's draw."""
         x = x / floats[R_TEMP].unsqueeze(1)
-        sorted_x, order = torch.sort(x, dim=1, descending=True, stable=True)
-        p = torch.softmax(sorted_x, dim=1)
-        if plan.top_k:
-            p = p.masked_fill(self._columns(vocab, x.device) >= top_k.unsqueeze(1), 0)
-        if plan.top_p:
-            c = p.cumsum(dim=1)
-            p = p.masked_fill(c - p >= floats[R_TOP_P].unsqueeze(1) * c[:, -1:], 0)
-        if plan.min_p:
-            p = p.masked_fill(p < floats[R_MIN_P].unsqueeze(1) * p[:, :1], 0)
-        c = p.cumsum(dim=1)
-        total = c[:, -1:]
-        # Below the total by construction (u * total may round up to it): the pick has p > 0.
-        target = torch.minimum(floats[R_DRAW].unsqueeze(1) * total, torch.nextafter(total, self._zero(total)))
-        pick = torch.searchsorted(c, target, right=True).clamp_max_(vocab - 1)
+        p, order = sorted_probs(
+            x,
+            top_k if plan.top_k else None,
+            floats[R_TOP_P] if plan.top_p else None,
+            floats[R_MIN_P] if plan.min_p else None,
+            self._columns(vocab, x.device),
+        )
         # A row whose filtered probabilities are not a distribution (a NaN or +inf logit, or -inf
         # on every allowed token) has no token to give: -1 marks it (no sync; the host raises).
-        ok = p.gather(1, pick) > 0
-        return torch.where(ok, order.gather(1, pick), -1).squeeze(1)
+        return inverse_cdf(p, order, floats[R_DRAW], self._zero(p))
 
     def _zero(self, like: torch.Tensor) -> torch.Tensor:
         """A cached 0-dim zero of ``like``'s dtype and device (no fill launched per step)."""

@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from tfuture.grammars.base import (
     mask_requests,
 )
 from tfuture.scheduler.request import RequestSpec, check_params, grammar_vocab
+from tfuture.spec.batch import DraftBatch, DraftResult
 
 __all__ = ["DELAYS", "FINISH_REASONS", "ContinuousBatcher", "RequestSpec", "spin"]
 
@@ -57,8 +59,14 @@ class _Req:
     spec: RequestSpec
     fed: int = 0  # prompt tokens already sent to the model
     out: list[int] = field(default_factory=list)
-    pending: tuple[Batch, int] | None = None  # (batch, row in batch.out) of an unseen token
-    n_pending: int = 0  # launched but unprocessed sampled tokens
+    # (batch, first row in batch.out, rows) of its latest sampling step: an unseen token, or
+    # (speculative) the slots of its last committed token and its drafts.
+    pending: tuple[Batch, int, int] | None = None
+    n_pending: int = 0  # launched but unprocessed sampling steps (each commits >= 1 token)
+    pending_extra: int = 0  # drafts those steps verify: tokens they may commit beyond one each
+    steps: int = 0  # sampling steps processed (model steps that gave it tokens)
+    drafted: int = 0  # drafts it verified (speculative)
+    accepted: int = 0  # of those, accepted
     finished: bool = False
     matcher: Matcher | None = None  # a grammar request's position in its grammar
     admitted: bool = False  # its parameters went out with its first step
@@ -122,6 +130,7 @@ class ContinuousBatcher:
         mask: str = "bitmask",
         delay: str = "batch",
         history_rows: int | None = None,
+        speculative: int = 0,
     ) -> None:
         if mask not in MASK_KINDS:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {mask!r}")
@@ -143,6 +152,11 @@ class ContinuousBatcher:
         if history_rows is not None and history_rows < 1:
             raise ValueError(f"history_rows must be None or >= 1, got {history_rows}")
         self.history_rows = history_rows
+        if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
+            raise ValueError(f"speculative must be an int >= 0 (drafts per step), got {speculative!r}")
+        #: Drafts each request makes per step (0: plain decoding, plain Batches). A grammar
+        #: request makes none: its tokens wait for masks the host builds from its matcher.
+        self.speculative = speculative
         self.stop = frozenset((eos,) if isinstance(eos, int | np.integer) else (int(t) for t in eos))
         self.eos = min(self.stop) if self.stop else -1  # one of them, for callers that read eos
         self.max_running, self.chunk, self.token_budget = max_running, chunk, token_budget
@@ -155,6 +169,8 @@ class ContinuousBatcher:
         self.finish_reasons: dict[int, str] = {}
         self.tick = 0
         self.extra_tokens = 0  # tokens sampled for already-finished requests, then discarded
+        self.drafted_tokens = 0  # drafts verified, over every request (speculative)
+        self.accepted_tokens = 0  # of those, accepted (before a finish cut an accepted run)
         self._ended: list[int] = []  # finished requests not reported in a Batch yet
 
     def _admit(self, spec: RequestSpec) -> _Req:
@@ -185,19 +201,22 @@ class ContinuousBatcher:
         rows: list[tuple[_Req, int, bool]] = []
         budget, slots_left = self.token_budget, self.fmap.free
         for r in self.running:
+            need = 1 + self._drafts(r)  # slots of a sampling request: its token, then its drafts
             if r.fed < r.spec.prompt.size:
                 n = min(self.chunk, r.spec.prompt.size - r.fed, budget)
                 samples = r.fed + n == r.spec.prompt.size
-                if n <= 0 or (samples and slots_left < 1):
+                if n <= 0 or (samples and slots_left < need):
                     continue
             elif r.done_by_length:
                 continue
             else:
-                if budget < 1 or slots_left < 1:
+                # A speculative decode verifies the drafts its last step made.
+                n = r.pending[2] if self.speculative and r.pending is not None else 1
+                if budget < n or slots_left < need:
                     continue
-                n, samples = 1, True
+                samples = True
             budget -= n
-            slots_left -= int(samples)
+            slots_left -= need if samples else 0
             rows.append((r, n, samples))
         if not rows:
             self._check_not_stuck()
@@ -238,20 +257,24 @@ class ContinuousBatcher:
     def _build(self, rows: list[tuple[_Req, int, bool]]) -> Batch:
         tokens: list[np.ndarray] = []
         seg, prefix, rids, sample = [], [], [], []
-        by_batch: dict[int, tuple[Batch, list[int], list[int]]] = {}
+        by_batch: dict[int, tuple[Batch, list[int], list[tuple[int, int]]]] = {}
+        decodes: set[int] = set()  # requests whose segment names their last step's slots
         for i, (r, n, samples) in enumerate(rows):
             if r.fed < r.spec.prompt.size:
                 tokens.append(r.spec.prompt[r.fed : r.fed + n])
                 prefix.append(r.fed)
                 r.fed += n
             else:
-                prefix.append(r.known_len - 1)
+                # Speculative steps in flight may commit up to pending_extra more tokens: the
+                # host's prefix is a bound, the step takes the true one from the slots.
+                prefix.append(r.known_len - 1 + r.pending_extra)
                 if r.pending is not None:
-                    b, row = r.pending
+                    b, row, _ = r.pending
                     entry = by_batch.setdefault(id(b), (b, [], []))
-                    entry[1].append(row)
-                    entry[2].append(i)
-                    tokens.append(np.zeros(1, dtype=np.int64))
+                    entry[1].extend(range(row, row + n))
+                    entry[2].append((i, n))
+                    decodes.add(i)
+                    tokens.append(np.zeros(n, dtype=np.int64))
                 else:
                     tokens.append(np.array(r.out[-1:], dtype=np.int64))
             seg.append(n)
@@ -262,26 +285,51 @@ class ContinuousBatcher:
             assert b.out is not None
             h = b.out.filter(np.asarray(out_rows, dtype=np.int64))
             consumes.append(h)
-            for i, ph in zip(req_idx, h.host_placeholders(), strict=True):
-                tokens[i] = np.array([ph], dtype=np.int64)
+            phs, at = h.host_placeholders(), 0
+            for i, n in req_idx:
+                tokens[i] = phs[at : at + n].astype(np.int64)
+                at += n
         sample_mask = np.asarray(sample, dtype=bool)
-        batch = Batch(
+        seg_lens = np.asarray(seg, dtype=np.int64)
+        common: dict[str, Any] = {
+            "consumes": consumes,
+            "tag": [r for r, _, s in rows if s],
+            "ended": np.asarray(self._ended, dtype=np.int64),
+            "delayed": self._delayed(rows, sample_mask),
+            "params": self._admitted(rows),
+        }
+        arrays = (
             np.concatenate(tokens),
-            np.asarray(seg, dtype=np.int64),
+            seg_lens,
             np.asarray(prefix, dtype=np.int64),
             np.asarray(rids, dtype=np.int64),
-            sample_mask,
-            consumes=consumes,
-            tag=[r for r, _, s in rows if s],
-            ended=np.asarray(self._ended, dtype=np.int64),
-            delayed=self._delayed(rows, sample_mask),
-            params=self._admitted(rows),
         )
+        verify = None
+        if self.speculative:
+            # A decode verifies the drafts of its last step: every token of its segment but the first.
+            decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
+            verify = np.where(decode, seg_lens - 1, 0)
+            drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
+            n_draft = np.where(sample_mask, drafts, 0)
+            batch: Batch = DraftBatch(*arrays, sample_mask, **common, n_verify=verify, n_draft=n_draft)
+        else:
+            batch = Batch(*arrays, sample_mask, **common)
         self._ended = []
+        extra = None if verify is None else verify[sample_mask]
+        first = 0
         for row, r in enumerate(batch.tag):
-            r.pending = (batch, row)
+            need = 1 + self._drafts(r)
+            r.pending = (batch, first, need)
+            first += need
             r.n_pending += 1
+            if extra is not None:
+                r.pending_extra += int(extra[row])
         return batch
+
+    def _drafts(self, r: _Req) -> int:
+        """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
+        which the host advances only over tokens it has seen)."""
+        return 0 if r.matcher is not None else self.speculative
 
     def _delayed(self, rows: list[tuple[_Req, int, bool]], sample: np.ndarray) -> bool | np.ndarray:
         """``Batch.delayed``: False without a sampling grammar request; with ``delay="rows"`` a
@@ -290,8 +338,9 @@ class ContinuousBatcher:
         waits = int(np.count_nonzero(grammar & sample))
         if not waits:
             return False
-        if self.delay == "batch" or waits == int(np.count_nonzero(sample)):
+        if (self.delay == "batch" and not self.speculative) or waits == int(np.count_nonzero(sample)):
             return True
+        # Speculative: only the grammar rows wait (the others carry drafts, which take no mask).
         return grammar
 
     def _admitted(self, rows: list[tuple[_Req, int, bool]]) -> dict[int, SamplingParams] | None:
@@ -308,6 +357,9 @@ class ContinuousBatcher:
     def process(self, result: StepResult) -> None:
         if self.host_work_s > 0:
             self._host_work(self.host_work_s)
+        if isinstance(result, DraftResult):
+            self._process_drafts(result)
+            return
         for r, tok in zip(result.batch.tag, result.tokens.tolist(), strict=True):
             r.n_pending -= 1
             if r.pending is not None and r.pending[0] is result.batch:
@@ -315,21 +367,43 @@ class ContinuousBatcher:
             if r.finished:
                 self.extra_tokens += 1
                 continue
-            m = r.matcher
-            if m is not None and not m.accept(tok):
-                # The mask allowed it, so the sampler or the mask path is broken: never go on.
-                raise RuntimeError(
-                    f"request {r.spec.rid}: its grammar rejects token {tok} sampled at step {result.step} "
-                    f"(after {len(r.out)} generated token(s)): the mask was not applied"
-                )
-            r.out.append(tok)
-            stop = self.stop if r.spec.stop is None else r.spec.stop
-            if tok in stop:
-                self._finish(r, "stop" if m is None else self._checked(r, m, "stop"))
-            elif m is not None and m.is_terminated():
-                self._finish(r, self._checked(r, m, "grammar"))
-            elif len(r.out) >= r.spec.max_new:
-                self._finish(r, "length")
+            self._take(r, tok, result.step)
+
+    def _process_drafts(self, result: DraftResult) -> None:
+        """A speculative step: each request's committed tokens in order, up to its finish (the
+        rest were launched past a finish the host learned late: dropped, counted)."""
+        for r, toks, v in zip(result.batch.tag, result.per_request(), result.n_drafted.tolist(), strict=True):
+            r.n_pending -= 1
+            r.pending_extra -= v
+            if not r.finished:
+                r.steps += 1
+                r.drafted += v
+                r.accepted += toks.size - 1
+                self.drafted_tokens += v
+                self.accepted_tokens += toks.size - 1
+            for tok in toks.tolist():
+                if r.finished:
+                    self.extra_tokens += 1
+                else:
+                    self._take(r, tok, result.step)
+
+    def _take(self, r: _Req, tok: int, step: int) -> None:
+        """One sampled token of a live request: its grammar, its output, its finish."""
+        m = r.matcher
+        if m is not None and not m.accept(tok):
+            # The mask allowed it, so the sampler or the mask path is broken: never go on.
+            raise RuntimeError(
+                f"request {r.spec.rid}: its grammar rejects token {tok} sampled at step {step} "
+                f"(after {len(r.out)} generated token(s)): the mask was not applied"
+            )
+        r.out.append(tok)
+        stop = self.stop if r.spec.stop is None else r.spec.stop
+        if tok in stop:
+            self._finish(r, "stop" if m is None else self._checked(r, m, "stop"))
+        elif m is not None and m.is_terminated():
+            self._finish(r, self._checked(r, m, "grammar"))
+        elif len(r.out) >= r.spec.max_new:
+            self._finish(r, "length")
 
     @staticmethod
     def _checked(r: _Req, m: Matcher, reason: str) -> str:

@@ -1,0 +1,159 @@
+"""Verification rules (``tfuture.spec.verify``) against the exact target distribution, the
+prompt-lookup drafter's matches, and the speculative batch's checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tfuture.core.params import SamplingParams, pack_params
+from tfuture.sampling.draws import device_draws, uniform_draws
+from tfuture.sampling.filters import sorted_probs
+from tfuture.spec import DraftBatch, DraftContext, NGramDrafter
+from tfuture.spec.verify import row_params, verify_rows
+
+V = 6
+
+
+def test_device_draws_equal_the_host_draws() -> None:
+    rng = np.random.default_rng(1)
+    seeds = rng.integers(0, 2**63, size=5000, dtype=np.int64)
+    pos = rng.integers(0, 2**40, size=5000, dtype=np.int64)
+    got = device_draws(torch.from_numpy(seeds), torch.from_numpy(pos)).numpy()
+    assert np.array_equal(got, uniform_draws(seeds, pos))
+
+
+def _target(params: SamplingParams, logits: torch.Tensor) -> np.ndarray:
+    """The exact distribution the Sampler draws from: its filters, normalised, in vocab order."""
+    rp = row_params(pack_params([params]))
+    x = logits[None].double() / rp.floats[0, 0]
+    tk = torch.from_numpy(rp.top_k) if rp.use_top_k else None
+    tp = torch.from_numpy(rp.floats[1]) if rp.use_top_p else None
+    mp = torch.from_numpy(rp.floats[2]) if rp.use_min_p else None
+    p, order = sorted_probs(x, tk, tp, mp, torch.arange(V))
+    full = torch.zeros(V, dtype=torch.float64).index_put_((order[0],), p[0])
+    return (full / full.sum()).numpy()
+
+
+def _run(params: SamplingParams, logits: torch.Tensor, draft: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` requests (seeds 0..n-1), each verifying one draft ``draft`` against the same two
+    rows ``logits``: their committed tokens ``[n, 2]`` and counts."""
+    rows = torch.stack([logits, logits.roll(2)]).repeat(n, 1)
+    packed = pack_params([params]).repeat(2 * n, axis=0)
+    packed[:, -1] = np.repeat(np.arange(n), 2)  # the seed column: one stream per request
+    rp = row_params(packed)
+    dev = (torch.from_numpy(rp.floats), torch.from_numpy(rp.top_k), torch.from_numpy(rp.seeds))
+    drafts = torch.full((2 * n,), draft, dtype=torch.int64)
+    is_draft = torch.tensor([True, False]).repeat(n)
+    pad = torch.arange(2 * n)
+    positions = torch.tensor([10, 11]).repeat(n)
+    v = verify_rows(rows.double(), drafts, is_draft, pad, n, 2, rp, dev if rp.sampled else None, positions)
+    return v.committed.numpy(), v.n_commit.numpy()
+
+
+def _chi2(counts: np.ndarray, p: np.ndarray) -> float:
+    keep = p > 0
+    assert counts[~keep].sum() == 0, "a filtered-out token was committed"
+    exp = p[keep] * counts.sum()
+    return float(((counts[keep] - exp) ** 2 / exp).sum())
+
+
+# Chi-square 99.9% quantiles by degrees of freedom (up to 5 here).
+_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, seed=0),
+        SamplingParams(temperature=0.7, top_k=4, seed=0),
+        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05, seed=0),
+    ],
+    ids=["plain", "top_k", "top_p_min_p"],
+)
+@pytest.mark.parametrize("draft", [0, 3])
+def test_rejection_sampling_follows_the_target_distribution(params: SamplingParams, draft: int) -> None:
+    logits = torch.tensor([1.5, 0.2, -0.4, 1.0, 0.7, -1.2])
+    p0, p1 = _target(params, logits), _target(params, logits.roll(2))
+    committed, n_commit = _run(params, logits, draft, 20000)
+    first = np.bincount(committed[:, 0], minlength=V)
+    assert _chi2(first, p0) < _CRIT[int((p0 > 0).sum()) - 1]
+    # The acceptance rate of a point-mass draft is the target's probability of it.
+    accepted = n_commit == 2
+    assert abs(accepted.mean() - p0[draft]) < 4 * np.sqrt(p0[draft] * (1 - p0[draft]) / 20000) + 1e-9
+    # After an accepted draft, the bonus token follows the next row's distribution.
+    if accepted.sum() > 2000:
+        second = np.bincount(committed[accepted, 1], minlength=V)
+        assert _chi2(second, p1) < _CRIT[int((p1 > 0).sum()) - 1]
+    assert (committed[~accepted, 1] == -1).all()
+
+
+def test_plain_sampling_control_passes_the_same_test() -> None:
+    # The control: the first row's token alone (no draft) is the Sampler's distribution.
+    params = SamplingParams(temperature=1.0, seed=0)
+    logits = torch.tensor([1.5, 0.2, -0.4, 1.0, 0.7, -1.2])
+    n = 20000
+    packed = pack_params([params]).repeat(n, axis=0)
+    packed[:, -1] = np.arange(n)
+    rp = row_params(packed)
+    dev = (torch.from_numpy(rp.floats), torch.from_numpy(rp.top_k), torch.from_numpy(rp.seeds))
+    v = verify_rows(
+        logits.repeat(n, 1).double(),
+        torch.zeros(n, dtype=torch.int64),
+        torch.zeros(n, dtype=torch.bool),
+        torch.arange(n),
+        n,
+        1,
+        rp,
+        dev,
+        torch.full((n,), 4),
+    )
+    assert (v.n_commit.numpy() == 1).all()
+    assert _chi2(np.bincount(v.committed[:, 0].numpy(), minlength=V), _target(params, logits)) < _CRIT[5]
+
+
+def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
+    logits = torch.tensor([[0.0, 5, 1], [3, 0, 1], [0, 0, 9], [1, 2, 3]])  # argmax 1, 0, 2, 2
+    rp = row_params(pack_params([SamplingParams(temperature=0)] * 4))
+    drafts = torch.tensor([1, 2, 2, 0])  # row 0 checks 1 (ok), row 1 checks 2 (argmax 0: reject)
+    is_draft = torch.tensor([True, True, True, False])
+    v = verify_rows(logits, drafts, is_draft, torch.arange(4), 1, 4, rp, None, torch.arange(4))
+    assert v.n_commit.tolist() == [2] and v.committed.tolist() == [[1, 0, -1, -1]] and v.last.tolist() == [0]
+
+
+def _history(tokens: list[int]) -> tuple[NGramDrafter, DraftContext]:
+    d = NGramDrafter(k=3, max_ngram=3, min_ngram=1)
+    d.bind(2, 32, torch.device("cpu"))
+    t = torch.tensor([tokens])
+    ctx = DraftContext(np.array([5]), t, torch.tensor([len(tokens)]), torch.tensor([len(tokens)]), 32)
+    return d, ctx
+
+
+def test_ngram_drafts_continue_the_latest_earlier_match() -> None:
+    d, ctx = _history([7, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2])  # suffix [1, 2]: latest earlier match at 5
+    assert d.draft(ctx).tolist() == [[4, 8, 1]]
+
+
+def test_ngram_prefers_the_longest_match_and_proposes_the_last_token_without_one() -> None:
+    d, ctx = _history([5, 6, 7, 1, 6, 7, 2, 5, 6, 7])  # [5,6,7] matches at 0 (longer than [6,7] at 4)
+    assert d.draft(ctx).tolist() == [[1, 6, 7]]
+    d, ctx = _history([1, 2, 3, 4])
+    assert d.draft(ctx).tolist() == [[4, 4, 4]]
+
+
+def test_draft_batch_checks() -> None:
+    ok = dict(
+        tokens=np.array([-1, -2, -3]),
+        seg_lens=np.array([3]),
+        prefix_lens=np.array([4]),
+        req_ids=np.array([0]),
+    )
+    with pytest.raises(ValueError, match="does not sample"):
+        DraftBatch(**ok, sample=np.array([False]), n_verify=np.array([2]))
+    with pytest.raises(ValueError, match="segment must be 1 \\+ 1 tokens"):
+        DraftBatch(**ok, sample=np.array([True]), n_verify=np.array([1]))
+    with pytest.raises(ValueError, match="must be a placeholder"):
+        DraftBatch(**{**ok, "tokens": np.array([4, -2, -3])}, sample=np.array([True]), n_verify=np.array([2]))
+    with pytest.raises(TypeError, match="n_draft must be a 1-D integer"):
+        DraftBatch(**ok, sample=np.array([True]), n_draft=[1])

@@ -1,0 +1,101 @@
+"""A speculative token step's batch and result: :class:`DraftBatch`, :class:`DraftResult`.
+
+A request in a token step carries ``k >= 0`` drafts: ``k = 0`` is plain decoding. Per request
+the scheduler says how many drafts the step verifies (``n_verify``: its segment is the last
+committed token then those drafts, all placeholders of one earlier step's slots) and how many
+drafts the step makes for the next one (``n_draft``). A sampling request gets ``1 + n_draft``
+slots in ``Batch.out``, in order: its last committed token, then its drafts; the next step names
+them as its inputs. Every slot also holds the request's sequence length after the step (the
+``seq_len`` field), from which the next step takes its positions: the host does not know how
+many drafts were accepted when it schedules the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tfuture.core.batch import Batch, StepResult
+
+__all__ = ["DraftBatch", "DraftResult"]
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+def _counts(name: str, a: object, n: int) -> np.ndarray:
+    """``a`` as ``[n]`` int64 counts >= 0 (an empty array: zeros), else a clear error."""
+    if isinstance(a, np.ndarray) and a.size == 0 and a.ndim == 1:
+        return np.zeros(n, dtype=np.int64)
+    if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype.kind not in "iu":
+        got = f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise TypeError(f"DraftBatch.{name} must be a 1-D integer numpy array, got {got}")
+    if a.size != n:
+        raise ValueError(f"DraftBatch.{name} must have {n} entries (one per request), got {a.size}")
+    a = a.astype(np.int64, copy=False)
+    if a.size and int(a.min()) < 0:
+        raise ValueError(f"DraftBatch.{name} must be >= 0, got {int(a.min())}")
+    return a
+
+
+@dataclass(slots=True, eq=False)
+class DraftBatch(Batch):
+    """A :class:`tfuture.core.batch.Batch` whose requests may verify and make drafts.
+
+    Attributes (besides :class:`Batch`'s):
+        n_verify: ``[n_reqs]`` drafts each request verifies this step. A request with
+            ``n_verify > 0`` samples, and its segment is exactly ``1 + n_verify`` tokens whose
+            first is a placeholder of an earlier speculative step (its position comes from that
+            slot's ``seq_len`` field; its ``prefix_lens`` entry is only a host upper bound,
+            used to size the step). Empty: none verifies.
+        n_draft: ``[n_reqs]`` drafts each sampling request makes for its next step (0 where it
+            does not sample). Empty: none drafts.
+    """
+
+    n_verify: np.ndarray = field(default_factory=lambda: _NONE)
+    n_draft: np.ndarray = field(default_factory=lambda: _NONE)
+
+    def __post_init__(self) -> None:
+        Batch.__post_init__(self)
+        n = self.seg_lens.size
+        v = self.n_verify = _counts("n_verify", self.n_verify, n)
+        d = self.n_draft = _counts("n_draft", self.n_draft, n)
+        bad = np.flatnonzero(((v > 0) | (d > 0)) & ~self.sample)
+        if bad.size:
+            q = int(bad[0])
+            raise ValueError(
+                f"DraftBatch: request {int(self.req_ids[q])} verifies or makes drafts (n_verify="
+                f"{int(v[q])}, n_draft={int(d[q])}) but does not sample this step"
+            )
+        spec = np.flatnonzero(v)
+        if spec.size:
+            wrong = spec[self.seg_lens[spec] != v[spec] + 1]
+            if wrong.size:
+                q = int(wrong[0])
+                raise ValueError(
+                    f"DraftBatch: request {int(self.req_ids[q])} verifies {int(v[q])} drafts, so its "
+                    f"segment must be 1 + {int(v[q])} tokens, got seg_lens={int(self.seg_lens[q])}"
+                )
+            starts = np.cumsum(self.seg_lens) - self.seg_lens
+            concrete = spec[self.tokens[starts[spec]] >= 0]
+            if concrete.size:
+                q = int(concrete[0])
+                raise ValueError(
+                    f"DraftBatch: request {int(self.req_ids[q])} verifies drafts, so its first token "
+                    "must be a placeholder of its previous speculative step (its position lives "
+                    f"there), got the concrete id {int(self.tokens[starts[q]])}"
+                )
+
+
+@dataclass(slots=True, eq=False)
+class DraftResult(StepResult):
+    """A processed speculative step: ``tokens`` holds every sampling request's committed tokens
+    back to back (``n_commit[i]`` for request ``i``, in ``sample_reqs`` order; 1 for a plain
+    request); ``n_drafted [n_sample]`` the drafts each one verified."""
+
+    n_commit: np.ndarray = field(default_factory=lambda: _NONE)
+    n_drafted: np.ndarray = field(default_factory=lambda: _NONE)
+
+    def per_request(self) -> list[np.ndarray]:
+        """Each sampling request's committed tokens, in order."""
+        return np.split(self.tokens, np.cumsum(self.n_commit)[:-1]) if self.n_commit.size else []

@@ -1,0 +1,133 @@
+"""Prompt-lookup drafting on the device: :class:`NGramDrafter`.
+
+Each request's tokens (prompt and committed output) live in a device history row, written in
+stream order: a step's inputs at their positions after its prepare, its committed tokens after
+its verification. The drafts of a request are the ``k`` tokens that followed the latest
+earlier occurrence of its last ``n`` tokens, ``n`` from ``max_ngram`` down to ``min_ngram``
+(the first ``n`` that matches wins). The match runs on the device over every request at once,
+so it reads step N's accepted tokens without the host (a host-side lookup would be one step
+stale under overlap). A request with no match proposes its last token ``k`` times: cheap to
+verify, and any proposal is exact under verification.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tfuture.core.batch import ForwardBatch
+from tfuture.core.rows import RowAllocator, RowsFull
+from tfuture.spec.drafter import DraftContext
+
+__all__ = ["NGramDrafter"]
+
+
+def _count(name: str, v: object, low: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < low:
+        raise ValueError(f"NGramDrafter({name}=) must be an int >= {low}, got {v!r}")
+    return int(v)
+
+
+class NGramDrafter:
+    """Prompt lookup (see the module docstring): ``k`` drafts per request and step.
+
+    Args:
+        k: drafts per step (>= 1).
+        max_ngram, min_ngram: the longest and shortest suffix matched (``1 <= min <= max``).
+
+    The history (``[max_requests, max_len]`` int64 on the model's device) is allocated by
+    :meth:`bind`, which :func:`tfuture.generate` and :class:`tfuture.Engine` call.
+    """
+
+    def __init__(self, k: int = 4, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.k = _count("k", k, 1)
+        self.max_ngram = _count("max_ngram", max_ngram, 1)
+        self.min_ngram = _count("min_ngram", min_ngram, 1)
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(
+                f"NGramDrafter(min_ngram=) must be <= max_ngram={self.max_ngram}, got {self.min_ngram}"
+            )
+        self.history: torch.Tensor | None = None
+        self._rows = RowAllocator(1)
+
+    def __repr__(self) -> str:
+        return f"NGramDrafter(k={self.k}, max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
+
+    def bind(self, max_requests: int, max_len: int, device: torch.device) -> None:
+        if (
+            self.history is None
+            or self.history.shape != (max_requests, max_len)
+            or self.history.device != device
+        ):
+            with torch.inference_mode(False):
+                self.history = torch.zeros(max_requests, max_len, dtype=torch.int64, device=device)
+        self._rows = RowAllocator(max_requests)
+
+    def _rows_of(self, req_ids: np.ndarray) -> torch.Tensor:
+        try:
+            rows, _ = self._rows.rows_or_take(req_ids)
+        except RowsFull as full:
+            raise RuntimeError(
+                f"NGramDrafter: request {full.rid} needs a history row and all {self._rows.n} are held "
+                "by live requests (bind with max_requests >= the scheduler's max_running)"
+            ) from None
+        assert self.history is not None
+        return torch.from_numpy(rows).to(self.history.device, non_blocking=True)
+
+    def observe(self, fwd: ForwardBatch) -> None:
+        hist = self.history
+        if hist is None:
+            raise RuntimeError("NGramDrafter.bind was not called: the history has no rows yet")
+        host = fwd.host
+        assert host is not None
+        n_tok = host.n_tokens
+        if not n_tok:
+            return
+        rows = self._rows_of(host.req_ids)
+        lens = torch.from_numpy(host.seg_lens).to(hist.device, non_blocking=True)
+        tok_rows = torch.repeat_interleave(rows, lens, output_size=n_tok)
+        pos = fwd.positions[:n_tok].clamp(0, hist.shape[1] - 1)
+        hist.index_put_((tok_rows, pos), fwd.input_ids[:n_tok].to(torch.int64))
+
+    def draft(self, ctx: DraftContext) -> torch.Tensor:
+        hist = self.history
+        assert hist is not None
+        n, width = ctx.committed.shape
+        dev = hist.device
+        if not n:
+            return torch.zeros(0, self.k, dtype=torch.int64, device=dev)
+        rows = self._rows_of(ctx.req_ids)
+        max_len = hist.shape[1]
+        lens = ctx.seq_lens.clamp(1, max_len)
+        # The committed tokens at their positions (entries past n_commit write nothing new:
+        # they go to the last committed position again, with its own token).
+        j = torch.arange(width, device=dev).unsqueeze(0)
+        take = torch.minimum(j, (ctx.n_commit - 1).unsqueeze(1))
+        pos = (lens - ctx.n_commit).unsqueeze(1) + take
+        toks = ctx.committed.gather(1, take)
+        hist.index_put_((rows.unsqueeze(1).expand(n, width), pos.clamp(0, max_len - 1)), toks)
+        bound = min(max(int(ctx.max_len), 1), max_len)
+        h = hist.index_select(0, rows)[:, :bound]
+        lens = lens.clamp_max(bound)
+        last = h.gather(1, (lens - 1).unsqueeze(1))
+        cont = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        for size in range(self.max_ngram, self.min_ngram - 1, -1):
+            if size >= bound:
+                continue
+            suffix = h.gather(1, (lens.unsqueeze(1) - size + torch.arange(size, device=dev)).clamp_min(0))
+            windows = h.unfold(1, size, 1)  # [n, bound - size + 1, size]
+            starts = torch.arange(windows.shape[1], device=dev).unsqueeze(0)
+            # An earlier occurrence whose continuation starts before the end (not the suffix itself).
+            hit = (windows == suffix.unsqueeze(1)).all(dim=2) & (starts + size < lens.unsqueeze(1))
+            latest = torch.where(hit, starts, -1).amax(dim=1)
+            cont = torch.where((cont < 0) & (latest >= 0), latest + size, cont)
+        at = cont.unsqueeze(1) + torch.arange(self.k, device=dev).unsqueeze(0)
+        at = torch.minimum(at, (lens - 1).unsqueeze(1))
+        found = (cont >= 0).unsqueeze(1)
+        return torch.where(found, h.gather(1, at.clamp_min(0)), last.expand(n, self.k))
+
+    def release(self, req_ids: np.ndarray) -> None:
+        self._rows.release(req_ids)
+
+    def close(self) -> None:
+        self._rows.reset()

@@ -1,0 +1,367 @@
+"""The speculative token step: a :class:`tfuture.steps.token.TokenStep` whose requests carry drafts.
+
+It is the token step with three parts changed, the way
+:class:`tfuture.distributed.step.ParallelStep` adds communication: the plan stages each
+request's verification rows and sampling parameters; ``prepare`` takes the positions of the
+requests that verify from their previous step's ``seq_len`` field (the accepted count never
+visits the host) and shows the drafter the step's inputs; the sample becomes ``verify``
+(greedy acceptance or rejection sampling, :mod:`tfuture.spec.verify`), ``draft`` (the
+drafter's next drafts) and ``store`` (each request's last committed token and its drafts into
+its slots, and the ``seq_len`` field). The host reads back each request's committed tokens and
+their count. Prefill chunks, plain decodes (``k = 0``), ended requests, the KV cache and the
+runtime's staging, tracing, faults and error path are the token step's own.
+
+A request with a grammar makes no drafts (``n_draft = 0``): its one row waits for the mask the
+host builds from its matcher (a delayed step), while the other requests of the step verify
+theirs. Not yet: penalties, drafts for grammar requests, ``Buckets`` and step graphs, and
+tensor/pipeline parallel with drafts. Each is refused with a ``ValueError``, never run wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from tfuture.core.batch import Batch, Model, StepResult
+from tfuture.core.future_fields import FutureFields
+from tfuture.core.future_map import FutureMap
+from tfuture.core.params import FREQUENCY, N_FLOATS, REPETITION
+from tfuture.kernels.bitmask import unpack_bitmask
+from tfuture.sampling import Sampler
+from tfuture.spec.batch import DraftBatch, DraftResult
+from tfuture.spec.drafter import DraftContext, Drafter
+from tfuture.spec.verify import RowParams, row_params, verify_rows
+from tfuture.steps.base import InFlight, Op, StepPlan
+from tfuture.steps.masks import mask_on_stream
+from tfuture.steps.token import TokenStep
+from tfuture.steps.token_state import TokenInputs, TokenState
+
+__all__ = ["SpecTokenStep"]
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+class DraftInputs(NamedTuple):
+    """The token step's staged arrays, then the speculative ones (host int64, device views)."""
+
+    tokens: Any
+    seg_starts: Any
+    prefix_lens: Any
+    req_ids: Any
+    seq_lens: Any
+    sample_reqs: Any
+    late: Any
+    now: Any
+    sampler_words: Any
+    store_slots: Any
+    vrows: Any  # [R] the verification rows (token rows), request by request
+    draft_src: Any  # [R] the token row of the draft each row checks (itself at a last row)
+    is_draft: Any  # [R] 1 at rows that check a draft
+    pad_pos: Any  # [R] i * width + j
+    spec_reqs: Any  # [S] requests that verify (indices into the batch)
+    spec_slots: Any  # [S] the slot of each one's first input (its seq_len field)
+    spec_prefix: Any  # [S] the host's prefix bound of each
+    spec_tok: Any  # [T] token rows of their segments
+    spec_tok_of: Any  # [T] which of the S each row belongs to
+    n_verify: Any  # [n_sample] drafts verified per sampling request
+    sample_idx: Any  # [n_sample] the sampling requests (indices into the batch)
+    out_req: Any  # [n_out] the sampling request of each out slot
+    out_first: Any  # [n_sample] each request's first out slot (its last committed token)
+    out_draft: Any  # [D] out slots that take drafts
+    draft_at: Any  # [D] their index into the drafter's flat [n_sample * k] drafts
+    params: Any  # [3 * R] float64 bits, [R] top_k, [R] seeds: when some row samples
+
+
+class SpecState(TokenState):
+    """A speculative step's record: the token step's, plus the verification's host plan."""
+
+    inputs: Any = None  # the step's DraftInputs (device views), set by prepare
+    rp: RowParams | None = None
+    width: int = 1
+    n_verify: np.ndarray = _NONE  # [n_sample] drafts each sampling request verifies
+    max_len: int = 0
+    verified: Any = None
+    new_len: torch.Tensor | None = None
+    store_tokens: torch.Tensor | None = None
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, owner)``: ``starts[i] + 0..lens[i]-1`` back to back, and each one's ``i``."""
+    total = int(lens.sum())
+    owner = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return starts[owner] + offsets, owner
+
+
+class SpecTokenStep(TokenStep):
+    """The token step of ``model`` with speculative requests (see the module docstring).
+
+    Args:
+        model: a :class:`tfuture.core.batch.Model` that returns logits for any rows its
+            ``ForwardBatch.sample_rows`` names (as :class:`tfuture.models.HFCausalLM` does);
+            here those are every verification row.
+        drafter: a :class:`tfuture.spec.drafter.Drafter`, bound by the caller.
+        sampler: the :class:`tfuture.sampling.Sampler` whose admitted parameters the rows use
+            (a default one if None).
+    """
+
+    keeps_out = True  # drafts live only in the slots: sync mode names its last step's slots too
+    stream_ops = (*TokenStep.stream_ops, "verify", "draft", "draft_release")
+    state_type = SpecState
+
+    def __init__(self, model: Model, drafter: Drafter, sampler: Sampler | None = None) -> None:
+        if not isinstance(drafter, Drafter):
+            raise TypeError(
+                f"drafter must implement tfuture.spec.Drafter (k, bind, observe, draft, release, close), "
+                f"got {type(drafter).__name__}"
+            )
+        super().__init__(model, sampler=sampler if sampler is not None else Sampler())
+        self.drafter = drafter
+        self.k = int(drafter.k)
+        self.fields: FutureFields | None = None
+
+    def bind(self, fmap: FutureMap) -> None:
+        super().bind(fmap)
+        self.fields = FutureFields(fmap, {"seq_len": ((), torch.int64)})
+
+    # -- host, at launch ---------------------------------------------------------------------
+
+    def plan(self, batch: Any) -> StepPlan:
+        if not isinstance(batch, Batch):
+            raise TypeError(
+                f"schedule() must return a tfuture.spec.DraftBatch (or a plain Batch: no drafts) or None, "
+                f"got {type(batch).__name__}"
+            )
+        zeros = np.zeros(batch.seg_lens.size, dtype=np.int64)
+        n_verify, n_draft = (
+            (batch.n_verify, batch.n_draft) if isinstance(batch, DraftBatch) else (zeros, zeros)
+        )
+        waits = np.flatnonzero(batch.delayed & batch.sample & ((n_verify > 0) | (n_draft > 0)))
+        if waits.size:
+            raise ValueError(
+                f"request {int(batch.req_ids[waits[0]])} waits for a grammar mask and has drafts: a "
+                "request with a grammar makes no drafts (n_verify = n_draft = 0) in a speculative step"
+            )
+        state, inputs = self.plan_batch(batch)
+        assert isinstance(state, SpecState) and self.sampler is not None
+        state.split = False  # a step with waiting rows waits whole: verification takes every row
+        sreq = state.sample_reqs
+        n = sreq.size
+        packed = self.sampler.packed_params(batch.req_ids[sreq])
+        floats = np.ascontiguousarray(packed[:, :N_FLOATS]).view(np.float64)
+        pens = np.flatnonzero(np.any(floats[:, FREQUENCY : REPETITION + 1] != _NO_PENALTY, axis=1))
+        if pens.size:
+            raise ValueError(
+                f"request {int(batch.req_ids[sreq[pens[0]]])} asks for penalties, which speculative "
+                "decoding does not support yet (give it no frequency, presence or repetition penalty)"
+            )
+        v, kd = n_verify[sreq], n_draft[sreq]
+        if int(kd.max(initial=0)) > self.k:
+            raise ValueError(
+                f"DraftBatch.n_draft asks for {int(kd.max())} drafts, the drafter makes k={self.k}"
+            )
+        ends = np.cumsum(batch.seg_lens)[sreq] if n else _NONE
+        width = int(v.max(initial=0)) + 1
+        vrows, owner = _ranges(ends - 1 - v, v + 1)
+        j = vrows - (ends - 1 - v)[owner]
+        is_draft = (j < v[owner]).astype(np.int64)
+        draft_src = vrows + is_draft
+        rp = row_params(packed[owner]) if n else None
+        spec = np.flatnonzero(n_verify)
+        starts = np.cumsum(batch.seg_lens) - batch.seg_lens
+        spec_tok, spec_of = _ranges(starts[spec], batch.seg_lens[spec])
+        n_out = int((1 + kd).sum())
+        first = np.cumsum(1 + kd) - 1 - kd
+        draft_slot, draft_of = _ranges(first + 1, kd)
+        params = _NONE
+        if rp is not None and rp.sampled:
+            params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
+        staged = DraftInputs(
+            *inputs,
+            vrows,
+            draft_src,
+            is_draft,
+            owner * width + j,
+            spec,
+            -batch.tokens[starts[spec]],
+            batch.prefix_lens[spec],
+            spec_tok,
+            spec_of,
+            v,
+            sreq,
+            np.repeat(np.arange(n, dtype=np.int64), 1 + kd),
+            first,
+            draft_slot,
+            draft_of * self.k + (draft_slot - first[draft_of] - 1),
+            params,
+        )
+        state.rp, state.width, state.n_verify = rp, width, v
+        state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
+        return StepPlan(n_out, staged, state, bool(state.late.size))
+
+    # -- forward stream ----------------------------------------------------------------------
+
+    def prepare(self, rec: InFlight, inputs: Any) -> None:  # DraftInputs (device views)
+        super().prepare(rec, TokenInputs(*inputs[: len(TokenInputs._fields)]))
+        state: SpecState = rec.state
+        state.inputs, fwd = inputs, state.fwd
+        assert fwd is not None and self.fields is not None
+        if inputs.spec_reqs.numel():
+            # The accepted counts stay on the device: each verifying request's true prefix is its
+            # previous step's seq_len field minus its last token; the host staged only a bound.
+            base = self.fields.buffer("seq_len").index_select(0, inputs.spec_slots) - 1
+            delta = base - inputs.spec_prefix
+            positions = fwd.positions.clone()
+            positions.index_add_(0, inputs.spec_tok, delta.index_select(0, inputs.spec_tok_of))
+            seq_lens = fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
+            fwd = fwd._replace(positions=positions, seq_lens=seq_lens)
+        state.fwd = fwd._replace(sample_rows=inputs.vrows)
+        self.drafter.observe(state.fwd)
+
+    def forward_ops(self, rec: InFlight) -> list[Op]:
+        ops = super().forward_ops(rec)
+        ended = rec.state.ended
+        if ended.size:
+            ops.insert(0, ("draft_release", lambda: self.drafter.release(ended)))
+        return ops
+
+    def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
+        if mask is not None:
+            self.take_mask(rec, mask)
+        return [
+            ("verify", lambda: self._verify(rec)),
+            ("draft", lambda: self._draft(rec)),
+            ("store", lambda: self._store(rec)),
+        ]
+
+    def _verify(self, rec: InFlight) -> None:
+        state: SpecState = rec.state
+        inputs: DraftInputs = rec.state.inputs
+        fwd, n = state.fwd, state.n_sample
+        assert fwd is not None
+        logits = state.logits
+        rows = inputs.vrows.numel()
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != rows:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                f"forward of step {rec.step} must return logits for every row of sample_rows "
+                f"([{rows}, vocab]: the verification rows), got {got}"
+            )
+        self._vocab = int(logits.shape[1])
+        rp = state.rp
+        if not n or rp is None:
+            state.verified = None
+            return
+        dev_params = None
+        if rp.sampled:
+            words = inputs.params
+            floats = words[: 3 * rows].view(torch.float64).view(3, rows)
+            dev_params = (floats, words[3 * rows : 4 * rows], words[4 * rows :])
+        if state.mask is not None:
+            logits = self._masked(rec, logits)
+        drafts = fwd.input_ids.index_select(0, inputs.draft_src).to(torch.int64)
+        positions = fwd.positions.index_select(0, inputs.vrows) + 1
+        state.verified = v = verify_rows(
+            logits, drafts, inputs.is_draft.bool(), inputs.pad_pos, n, state.width, rp, dev_params, positions
+        )
+        real = fwd.seq_lens.index_select(0, inputs.sample_idx)
+        state.new_len = real - inputs.n_verify + v.n_commit
+
+    def _masked(self, rec: InFlight, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with the grammar mask applied to the waiting requests' rows (each has one
+        verification row: it makes no drafts), on a copy."""
+        state: SpecState = rec.state
+        assert self.fmap is not None
+        mask = mask_on_stream(state, rec.step, self.fmap.device)
+        vocab = int(logits.shape[1])
+        allowed = mask if mask.dtype == torch.bool else unpack_bitmask(mask, vocab)
+        # A waiting request verifies nothing, so its one row is its last: the row of its request.
+        ends = torch.cumsum(1 + state.inputs.n_verify, 0) - 1
+        rows = ends.index_select(0, torch.tensor(state.mask_rows, device=ends.device))
+        return logits.index_put((rows,), logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
+
+    def _draft(self, rec: InFlight) -> None:
+        state: SpecState = rec.state
+        inputs: DraftInputs = rec.state.inputs
+        v = state.verified
+        if v is None:
+            return
+        assert state.new_len is not None and state.fwd is not None and state.fwd.host is not None
+        ctx = DraftContext(
+            state.fwd.host.req_ids[state.sample_reqs], v.committed, v.n_commit, state.new_len, state.max_len
+        )
+        drafts = self.drafter.draft(ctx)
+        n = state.n_sample
+        if not isinstance(drafts, torch.Tensor) or drafts.shape != (n, self.k):
+            got = tuple(drafts.shape) if isinstance(drafts, torch.Tensor) else type(drafts).__name__
+            raise ValueError(f"the drafter's draft must return [{n}, {self.k}] token ids, got {got}")
+        n_out = rec.out._n
+        tokens = torch.empty(n_out, dtype=torch.int64, device=v.last.device)
+        tokens.index_copy_(0, inputs.out_first, v.last.clamp_min(0))
+        if inputs.out_draft.numel():
+            flat = drafts.reshape(-1).to(torch.int64).clamp(0, max(self._vocab_bound() - 1, 0))
+            tokens.index_copy_(0, inputs.out_draft, flat.index_select(0, inputs.draft_at))
+        state.store_tokens = tokens
+
+    def _vocab_bound(self) -> int:
+        return self._vocab if self._vocab is not None else int(np.iinfo(np.int64).max)
+
+    def _store(self, rec: InFlight) -> None:
+        state: SpecState = rec.state
+        if state.verified is None:
+            return
+        assert self.fmap is not None and self.fields is not None and state.new_len is not None
+        inputs: DraftInputs = rec.state.inputs
+        assert state.store_tokens is not None
+        self.fmap.launch_store(rec.out, state.store_tokens)
+        self.fields.store(rec.out, {"seq_len": state.new_len.index_select(0, inputs.out_req)})
+
+    # -- host, after copy_done ---------------------------------------------------------------
+
+    def n_result(self, rec: InFlight) -> int:
+        state: SpecState = rec.state
+        return state.n_sample * (state.width + 1)
+
+    def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
+        state: SpecState = rec.state
+        v = state.verified
+        if v is None:
+            return
+        n, w = state.n_sample, state.width
+        dst[: n * w].view(n, w).copy_(v.committed, non_blocking=True)
+        dst[n * w :].copy_(v.n_commit, non_blocking=True)
+
+    def result_array(self, rec: InFlight) -> np.ndarray | None:
+        return None
+
+    def result(self, rec: InFlight, words: np.ndarray) -> DraftResult:
+        state: SpecState = rec.state
+        n, w = state.n_sample, state.width
+        committed, counts = words[: n * w].reshape(n, w), words[n * w :].astype(np.int64)
+        keep = np.arange(w)[None, :] < counts[:, None]
+        tokens = committed[keep]
+        if tokens.size and int(tokens.min()) < 0:
+            i = int(np.flatnonzero((committed < 0) & keep)[0] // w)
+            rid = int(rec.batch.req_ids[state.sample_reqs[i]])
+            raise ValueError(
+                f"step {rec.step}: request {rid} has no valid token to sample (its filtered "
+                "probabilities are not a distribution: a NaN or infinite logit)"
+            )
+        vocab = self._vocab
+        if vocab is not None and tokens.size and int(tokens.max()) >= vocab:
+            raise ValueError(
+                f"step {rec.step}: a committed token {int(tokens.max())} is past the vocab of {vocab}"
+            )
+        return DraftResult(rec.step, rec.batch, tokens, counts, state.n_verify)
+
+    def n_tokens(self, result: StepResult) -> int:
+        return int(result.tokens.size)
+
+    def close(self) -> None:
+        super().close()
+        self.drafter.close()
+
+
+_NO_PENALTY = np.array([0.0, 0.0, 1.0])  # frequency, presence, repetition: off
