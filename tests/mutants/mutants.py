@@ -877,4 +877,20 @@ MUTANTS: tuple[Mutant, ...] = (
         SPEC_VERIFY,
         "prompt lookup continues the earliest match instead of the latest",
     ),
+    Mutant(
+        "spec-penalty-drafts-not-counted",
+        "tfuture/spec/penalties.py",
+        "    lens = np.where(on, j, 0)\n",
+        "    lens = np.where(on, 0, 0)\n",
+        SPEC_VERIFY,
+        "a verification row's penalties ignore the drafts before it (plain decoding would count them)",
+    ),
+    Mutant(
+        "spec-penalty-drafts-observed",
+        "tfuture/spec/penalties.py",
+        "    if not sizes[_OBS_IDX] or not drop.size:\n",
+        "    if True:\n",
+        SPEC_HF,
+        "the drafts a step verifies are marked seen: a rejected draft leaves a repetition penalty",
+    ),
 )

@@ -69,9 +69,9 @@ def run(
     k = 0
     if drafter is not None:
         drafter.bind(ROWS, MAX_LEN, torch.device("cpu"))
-        kind, k = SpecTokenStep(hf, drafter, Sampler()), drafter.k
+        kind, k = SpecTokenStep(hf, drafter, Sampler(history_rows=ROWS)), drafter.k
     sched = ContinuousBatcher(specs, fmap, eos=eos, max_running=ROWS, chunk=chunk, speculative=k)
-    kw = {} if drafter is not None else {"sampler": Sampler()}
+    kw = {} if drafter is not None else {"sampler": Sampler(history_rows=ROWS)}
     stats = OverlapRuntime(kind, fmap, overlap=overlap, trace=False, faults=faults, **kw).run(sched)
     assert fmap.in_use == 0, "every slot is released after the run"
     return sched, stats
@@ -183,10 +183,22 @@ def test_without_drafts_the_step_samples_the_samplers_tokens(model: Any) -> None
     assert sched.outputs == plain.outputs
 
 
-def test_penalties_are_refused_with_a_drafter(model: Any) -> None:
-    specs = [RequestSpec(0, 0, np.arange(3, 9), 4, params=SamplingParams(presence_penalty=0.5))]
-    with pytest.raises(ValueError, match="request 0 asks for penalties"):
-        run(model, specs, NGramDrafter(k=2))
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_greedy_with_penalties_equals_plain_decoding(model: Any, overlap: bool) -> None:
+    pens = [
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=0.3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=-0.2),
+    ]
+    specs = [
+        RequestSpec(s.rid, s.arrival, s.prompt, 14, params=p) for s, p in zip(workload(), pens, strict=True)
+    ]
+    plain, _ = run(model, specs)
+    for drafter in (NGramDrafter(k=3), ModelDrafter(copy.deepcopy(model), k=3)):
+        got, _ = run(model, specs, drafter, overlap=overlap)
+        assert got.outputs == plain.outputs
+        assert got.drafted_tokens > 0
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])

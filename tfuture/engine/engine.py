@@ -50,7 +50,7 @@ from tfuture.engine.outputs import (
     _Collector,
 )
 from tfuture.engine.requests import RequestPreparer, _Prepared
-from tfuture.engine.speculative import check_drafter, check_spec_request, margin, spec_step
+from tfuture.engine.speculative import check_drafter, margin, spec_step
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.scheduler.options import GenerationParams
@@ -103,9 +103,8 @@ class Engine:
         speculative: a drafter (:class:`tfuture.NGramDrafter`, :class:`tfuture.ModelDrafter`,
             or a :class:`tfuture.spec.Drafter` of your own): every request verifies ``k`` drafts
             a step (greedy output equal to plain decoding; sampled output following the model's
-            distribution exactly). A structured-output request makes no drafts (its tokens follow
-            its grammar's masks); penalties are not served with drafts yet: such a request is
-            refused at submission. None (the default): plain decoding.
+            distribution exactly; penalties too). A structured-output request makes no drafts
+            (its tokens follow its grammar's masks). None (the default): plain decoding.
 
     Use it as a context manager, or call :meth:`close`: it aborts what is live and waits for
     the background thread.
@@ -279,9 +278,6 @@ class Engine:
         """Give each request an id and queue it, all or none; then make sure a thread drives
         the runtime (``start``)."""
         rids: list[int] = []
-        if self.drafter is not None:
-            for i, p in enumerate(items):
-                check_spec_request(f"request {i} of this call", p.spec_kw)
         with self._cond:
             if self._closed:
                 raise RuntimeError("this Engine is closed")

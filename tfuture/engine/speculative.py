@@ -4,8 +4,7 @@
 every request through :class:`tfuture.spec.SpecTokenStep` with ``k`` drafts a step. The KV rows
 hold a margin of positions past ``max_len`` for the drafts verified beyond a request's last
 token; the future map holds ``1 + k`` slots per request and step. A structured-output request
-makes no drafts (its tokens wait for grammar masks, the others' do not); penalties are not
-served with drafts yet and are refused when the request is submitted, naming it.
+makes no drafts (its tokens wait for grammar masks, the others' do not).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch
 from tfuture.sampling import Sampler
 from tfuture.spec import Drafter, ModelDrafter, SpecTokenStep
 
-__all__ = ["check_drafter", "check_spec_request", "margin", "spec_step"]
+__all__ = ["check_drafter", "margin", "spec_step"]
 
 
 def check_drafter(drafter: object) -> Drafter | None:
@@ -54,14 +53,3 @@ def spec_step(
     device = param.device if isinstance(param, torch.Tensor) else torch.device("cpu")
     drafter.bind(max_running, pool_len, device)
     return SpecTokenStep(model, drafter, sampler)
-
-
-def check_spec_request(what: str, spec_kw: dict[str, Any]) -> None:
-    """Raise ``ValueError`` (naming ``what``, the request) for what speculation does not serve."""
-    params = spec_kw.get("params")
-    if params is not None and params.has_penalties:
-        raise ValueError(
-            f"{what} asks for penalties (frequency_penalty={params.frequency_penalty}, presence_penalty="
-            f"{params.presence_penalty}, repetition_penalty={params.repetition_penalty}), which "
-            "speculative decoding does not serve yet: use an Engine without speculative= for it"
-        )

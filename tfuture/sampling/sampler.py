@@ -238,6 +238,11 @@ class Sampler:
         rows = self._param_rows
         return self._params[rows.rows(req_ids, default=0) if rows.held else np.zeros(req_ids.size, np.int64)]
 
+    def history_rows_of(self, req_ids: np.ndarray) -> np.ndarray:
+        """HOST: ``[n]`` int64 device history rows of ``req_ids`` (0: none), as assigned by the
+        last :meth:`plan_step`."""
+        return self._rows.rows(req_ids, default=0)
+
     def reset(self) -> None:
         """HOST, after a run (the stream drained): free every history and parameter row. The
         tables stay allocated; a history row is zeroed when it is assigned again."""

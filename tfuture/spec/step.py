@@ -13,7 +13,8 @@ runtime's staging, tracing, faults and error path are the token step's own.
 
 A request with a grammar makes no drafts (``n_draft = 0``): its one row waits for the mask the
 host builds from its matcher (a delayed step), while the other requests of the step verify
-theirs. Not yet: penalties, drafts for grammar requests, ``Buckets`` and step graphs, and
+theirs. Penalties: each verification row is scored with the history its token would have
+(:mod:`tfuture.spec.penalties`). Not yet: drafts for grammar requests, ``Buckets`` and step graphs, and
 tensor/pipeline parallel with drafts. Each is refused with a ``ValueError``, never run wrong.
 """
 
@@ -27,11 +28,17 @@ import torch
 from tfuture.core.batch import Batch, Model, StepResult
 from tfuture.core.future_fields import FutureFields
 from tfuture.core.future_map import FutureMap
-from tfuture.core.params import FREQUENCY, N_FLOATS, REPETITION
 from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import Sampler
 from tfuture.spec.batch import DraftBatch, DraftResult
 from tfuture.spec.drafter import DraftContext, Drafter
+from tfuture.spec.penalties import (
+    PenaltyPlan,
+    drop_observations,
+    penalise_rows,
+    plan_penalties,
+    record_committed,
+)
 from tfuture.spec.verify import RowParams, row_params, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import mask_on_stream
@@ -72,6 +79,8 @@ class DraftInputs(NamedTuple):
     out_draft: Any  # [D] out slots that take drafts
     draft_at: Any  # [D] their index into the drafter's flat [n_sample * k] drafts
     params: Any  # [3 * R] float64 bits, [R] top_k, [R] seeds: when some row samples
+    penalties: Any  # PenaltyPlan.words, when some row has penalties
+    hist_req: Any  # [n_sample] each sampling request's history row (0: none), with penalties
 
 
 class SpecState(TokenState):
@@ -81,6 +90,7 @@ class SpecState(TokenState):
     rp: RowParams | None = None
     width: int = 1
     n_verify: np.ndarray = _NONE  # [n_sample] drafts each sampling request verifies
+    pen: PenaltyPlan | None = None
     max_len: int = 0
     verified: Any = None
     new_len: torch.Tensor | None = None
@@ -150,13 +160,6 @@ class SpecTokenStep(TokenStep):
         sreq = state.sample_reqs
         n = sreq.size
         packed = self.sampler.packed_params(batch.req_ids[sreq])
-        floats = np.ascontiguousarray(packed[:, :N_FLOATS]).view(np.float64)
-        pens = np.flatnonzero(np.any(floats[:, FREQUENCY : REPETITION + 1] != _NO_PENALTY, axis=1))
-        if pens.size:
-            raise ValueError(
-                f"request {int(batch.req_ids[sreq[pens[0]]])} asks for penalties, which speculative "
-                "decoding does not support yet (give it no frequency, presence or repetition penalty)"
-            )
         v, kd = n_verify[sreq], n_draft[sreq]
         if int(kd.max(initial=0)) > self.k:
             raise ValueError(
@@ -169,9 +172,15 @@ class SpecTokenStep(TokenStep):
         is_draft = (j < v[owner]).astype(np.int64)
         draft_src = vrows + is_draft
         rp = row_params(packed[owner]) if n else None
+        hist_req = self.sampler.history_rows_of(batch.req_ids[sreq])
+        pen = plan_penalties(packed[owner], hist_req[owner], (ends - 1 - v)[owner], j) if n else None
         spec = np.flatnonzero(n_verify)
         starts = np.cumsum(batch.seg_lens) - batch.seg_lens
         spec_tok, spec_of = _ranges(starts[spec], batch.seg_lens[spec])
+        if pen is not None:
+            # Only committed tokens enter the history: the drafts a step verifies are not inputs.
+            state.splan = drop_observations(state.splan, spec_tok[spec_tok != starts[spec][spec_of]])
+            inputs = inputs._replace(sampler_words=state.splan.words)
         n_out = int((1 + kd).sum())
         first = np.cumsum(1 + kd) - 1 - kd
         draft_slot, draft_of = _ranges(first + 1, kd)
@@ -196,8 +205,10 @@ class SpecTokenStep(TokenStep):
             draft_slot,
             draft_of * self.k + (draft_slot - first[draft_of] - 1),
             params,
+            _NONE if pen is None else pen.words,
+            _NONE if pen is None else hist_req,
         )
-        state.rp, state.width, state.n_verify = rp, width, v
+        state.rp, state.width, state.n_verify, state.pen = rp, width, v, pen
         state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
         return StepPlan(n_out, staged, state, bool(state.late.size))
 
@@ -261,11 +272,20 @@ class SpecTokenStep(TokenStep):
             dev_params = (floats, words[3 * rows : 4 * rows], words[4 * rows :])
         if state.mask is not None:
             logits = self._masked(rec, logits)
+        sampler = self.sampler
+        if state.pen is not None:
+            assert sampler is not None
+            sampler.vocab = sampler.vocab or int(logits.shape[1])
+            sampler.history.ensure(sampler.vocab, logits.device)
+            logits = penalise_rows(logits, sampler.history, state.pen, inputs.penalties, fwd.input_ids)
         drafts = fwd.input_ids.index_select(0, inputs.draft_src).to(torch.int64)
         positions = fwd.positions.index_select(0, inputs.vrows) + 1
         state.verified = v = verify_rows(
             logits, drafts, inputs.is_draft.bool(), inputs.pad_pos, n, state.width, rp, dev_params, positions
         )
+        if state.pen is not None:
+            assert sampler is not None
+            record_committed(sampler.history, inputs.hist_req, v.committed, v.n_commit)
         real = fwd.seq_lens.index_select(0, inputs.sample_idx)
         state.new_len = real - inputs.n_verify + v.n_commit
 
@@ -362,6 +382,3 @@ class SpecTokenStep(TokenStep):
     def close(self) -> None:
         super().close()
         self.drafter.close()
-
-
-_NO_PENALTY = np.array([0.0, 0.0, 1.0])  # frequency, presence, repetition: off
