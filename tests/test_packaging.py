@@ -116,7 +116,6 @@ def probe(blocked: str, code: str) -> dict[str, object] | None:
     return result
 
 
-HF = "pip install 'tfuture[hf]'"
 # tfuture installs from a clone (issue 30 item 14): the hints say so.
 HF_CLONE = "from a clone of tfuture, pip install -e '.[hf]'"
 GRAMMAR_CLONE = r"from a clone of tfuture, pip install -e '\.\[grammar\]'"
@@ -125,7 +124,7 @@ GRAMMAR_CLONE = r"from a clone of tfuture, pip install -e '\.\[grammar\]'"
 def test_tfuture_models_without_transformers_names_the_hf_extra():
     err = probe("transformers", "import tfuture.models")
     assert err is not None and "ModuleNotFoundError" in err["types"] and "ImportError" in err["types"]
-    assert err["msg"] == (f"tfuture.models needs the 'hf' extra (transformers is not installed): {HF}")
+    assert err["msg"] == (f"tfuture.models needs the 'hf' extra (transformers is not installed): {HF_CLONE}")
     err = probe("transformers", "from tfuture.models import HFCausalLM")
     assert err is not None and "needs the 'hf' extra" in str(err["msg"])
 

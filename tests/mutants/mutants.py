@@ -557,8 +557,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kv-mask-excludes-self",
         "tfuture/models/kv_pool.py",
-        "mask = torch.arange(kv_len, device=dev)[None, None, :] <= last_key[:, :, None]",
-        "mask = torch.arange(kv_len, device=dev)[None, None, :] < last_key[:, :, None]",
+        "        causal = keys <= last_key\n",
+        "        causal = keys < last_key\n",
         ("tests/models/test_kv_pool_bounds.py",),
         "a token does not attend to its own key",
     ),
