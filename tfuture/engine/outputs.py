@@ -39,8 +39,9 @@ class EngineError(RuntimeError):
 class RequestOutput:
     """What one request produced: token ids (the stop token included), text (with a tokenizer:
     the output's text, special tokens left out), why it finished (``"stop"``, ``"length"``,
-    ``"abort"``, ``"grammar"``, ``"error"``) and its host timings (``timings.ttft``,
-    ``timings.tpot``, ``timings.latency``)."""
+    ``"abort"``, ``"grammar"``, ``"error"``, or ``"invalid"``: the grammar accepted an output
+    that is not valid, e.g. JSON with a raw control character, xgrammar #800) and its host
+    timings (``timings.ttft``, ``timings.tpot``, ``timings.latency``)."""
 
     rid: int
     prompt: str | None

@@ -74,7 +74,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as e:
-        raise ImportError("tfuture.models.hf needs transformers: pip install 'tfuture[hf]'") from e
+        raise ImportError(
+            "tfuture.models.hf needs transformers: from a clone of tfuture, pip install -e '.[hf]'"
+        ) from e
     return transformers
 
 

@@ -17,6 +17,7 @@ request's first step; its end is reported in ``Batch.ended``.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,14 @@ import numpy as np
 from tfuture.core.batch import Batch, StepResult
 from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.core.params import SamplingParams
-from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests
+from tfuture.grammars.base import (
+    MASK_KINDS,
+    Grammar,
+    Matcher,
+    build_bitmask,
+    invalid_output,
+    mask_requests,
+)
 from tfuture.scheduler.request import RequestSpec, check_params, grammar_vocab
 from tfuture.spec.batch import DraftBatch, DraftResult
 
@@ -34,8 +42,9 @@ __all__ = ["DELAYS", "FINISH_REASONS", "ContinuousBatcher", "RequestSpec", "spin
 
 DELAYS = ("rows", "batch")
 # Why a request finished: a stop token, its length limit, an abort, its grammar terminated (on a
-# token that is not one of its stop tokens), or the run failed (ServingScheduler).
-FINISH_REASONS = ("stop", "length", "abort", "grammar", "error")
+# token that is not one of its stop tokens), the run failed (ServingScheduler), or its grammar
+# accepted an output its matcher then found invalid (xgrammar #800: JSON that does not parse).
+FINISH_REASONS = ("stop", "length", "abort", "grammar", "error", "invalid")
 
 
 def spin(seconds: float) -> None:
@@ -79,7 +88,9 @@ class ContinuousBatcher:
 
     ``outputs[rid]`` holds each request's generated tokens (the stop token included) and
     ``finish_reasons[rid]`` why it finished (``"stop"``: a stop token, ``"grammar"``: its
-    matcher terminated on another token, ``"length"``: ``max_new`` tokens). ``eos`` is one stop
+    matcher terminated on another token, ``"length"``: ``max_new`` tokens, ``"invalid"``: its
+    matcher found the output it accepted invalid, e.g. JSON that does not parse because of
+    xgrammar #800, with a ``RuntimeWarning``). ``eos`` is one stop
     token or a collection of them, for every request whose ``RequestSpec.stop`` is None. Each
     batch reports in ``Batch.ended`` the requests that finished since the last batch (they
     appear in no later step), so a model can free their KV cache; requests that finish after the
@@ -388,11 +399,21 @@ class ContinuousBatcher:
         r.out.append(tok)
         stop = self.stop if r.spec.stop is None else r.spec.stop
         if tok in stop:
-            self._finish(r, "stop")
+            self._finish(r, "stop" if m is None else self._checked(r, m, "stop"))
         elif m is not None and m.is_terminated():
-            self._finish(r, "grammar")
+            self._finish(r, self._checked(r, m, "grammar"))
         elif len(r.out) >= r.spec.max_new:
             self._finish(r, "length")
+
+    @staticmethod
+    def _checked(r: _Req, m: Matcher, reason: str) -> str:
+        """``reason``, or ``"invalid"`` (with a warning) when the matcher says that the output it
+        accepted is not in its grammar's language after all (xgrammar #800)."""
+        why = invalid_output(m)
+        if why is None:
+            return reason
+        warnings.warn(f"request {r.spec.rid}: {why}; finish reason 'invalid'", RuntimeWarning, stacklevel=2)
+        return "invalid"
 
     def _finish(self, r: _Req, reason: str) -> None:
         """``r`` finished (``reason``: one of :data:`FINISH_REASONS`): it leaves the running set at

@@ -46,7 +46,9 @@ class GenerationParams:
         repetition_penalty: tokens in the prompt or output get ``logit / r`` (positive logit)
             or ``logit * r``; 1 = off.
         json_schema: structured output: the output is a JSON document valid under this schema
-            (a dict or its JSON text; compiled with xgrammar for the engine's tokenizer).
+            (a dict or its JSON text; compiled with xgrammar for the engine's tokenizer). One
+            that xgrammar accepted but does not parse (a raw control character in a string with
+            ``maxLength``, xgrammar #800) finishes with reason ``"invalid"``.
         grammar: structured output: a :class:`tfuture.grammars.Grammar` (compiled already) or
             an xgrammar EBNF string (root rule ``root``). At most one of the two.
 
