@@ -83,8 +83,10 @@ class TokenStream:
     Closing it aborts the requests still running: ``close()``, ``with``, dropping the stream,
     and leaving a ``for`` loop over it early (``break``, ``return``, an exception in the body),
     even while a variable still holds the stream: each ``for`` loop (``iter(stream)``) gets
-    its own iterator, which closes the stream when the loop drops it before the end. Stepping
-    with ``next(stream)`` has no loop to leave: call ``close()`` (or use ``with``) to stop."""
+    its own iterator, which closes the stream when the loop drops it before the end (so does
+    any consumer that stops early, such as ``itertools.islice(stream, n)``: step with
+    ``next(stream)`` to take a few updates and go on later). ``next(stream)`` has no loop to
+    leave: call ``close()`` (or use ``with``) to stop."""
 
     def __init__(self, engine: EngineLike, rids: list[int], q: queue.SimpleQueue[TokenUpdate]) -> None:
         self.engine, self.rids, self._q = engine, rids, q
