@@ -87,7 +87,12 @@ LAYERS: list[set[str]] = [
     {"tfuture.core.future_map"},
     {"tfuture.core.future_fields"},
     {"tfuture.core.batch"},  # Batch, ForwardBatch, StepResult, the Model/Scheduler protocols
-    {"tfuture.spec.batch", "tfuture.spec.drafter", "tfuture.spec.ngram_cpu", "tfuture.spec.ngram"},  # drafters
+    {
+        "tfuture.spec.batch",
+        "tfuture.spec.drafter",
+        "tfuture.spec.ngram_cpu",
+        "tfuture.spec.ngram",
+    },  # drafters
     {"tfuture.streams.*"},  # stream backends, staging rings, RunStats
     {"tfuture.sampling.*"},  # the device Sampler
     {"tfuture.spec.verify", "tfuture.spec.penalties"},  # acceptance, rejection sampling, penalties
