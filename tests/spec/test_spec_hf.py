@@ -232,3 +232,20 @@ def test_grammar_requests_take_masks_beside_drafting_requests(model: Any, overla
         if s.grammar:
             assert grammar.accepts(spec.outputs[s.rid])
     assert spec.drafted_tokens > 0  # the free requests drafted beside the grammar ones
+
+
+def test_a_request_may_opt_out_of_drafting(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    prompts = [s.prompt.tolist() for s in workload(n=3, max_new=10)]
+    params = [
+        GenerationParams(max_tokens=10, temperature=0, ignore_eos=True, speculative=i != 1) for i in range(3)
+    ]
+    plain = tfuture.generate(model, prompts, params)
+    spec = tfuture.generate(model, prompts, params, speculative=NGramDrafter(k=3))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[1].timings.drafted == 0 and spec[0].timings.drafted > 0
+    assert spec.drafted == sum(o.timings.drafted for o in spec) and plain.drafted == 0
+    with pytest.raises(TypeError, match="speculative must be a bool"):
+        GenerationParams(speculative="yes")  # type: ignore[arg-type]

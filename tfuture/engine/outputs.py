@@ -40,8 +40,10 @@ class RequestOutput:
     """What one request produced: token ids (the stop token included), text (with a tokenizer:
     the output's text, special tokens left out), why it finished (``"stop"``, ``"length"``,
     ``"abort"``, ``"grammar"``, ``"error"``, or ``"invalid"``: the grammar accepted an output
-    that is not valid, e.g. JSON with a raw control character, xgrammar #800) and its host
-    timings (``timings.ttft``, ``timings.tpot``, ``timings.latency``)."""
+    that is not valid, e.g. JSON with a raw control character, xgrammar #800), its host
+    timings (``timings.ttft``, ``timings.tpot``, ``timings.latency``) and counts
+    (``timings.steps``: model steps that gave it tokens; ``timings.drafted`` and
+    ``timings.accepted``: speculative drafts verified and accepted)."""
 
     rid: int
     prompt: str | None
@@ -75,6 +77,16 @@ class GenerateResult:
             if o.rid == rid:
                 return o
         raise KeyError(rid)
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens verified over every request (speculative decoding; 0 without)."""
+        return sum(o.timings.drafted for o in self.outputs)
+
+    @property
+    def accepted(self) -> int:
+        """Of :attr:`drafted`, the accepted ones (a finish may cut an accepted run short)."""
+        return sum(o.timings.accepted for o in self.outputs)
 
 
 class TokenStream:

@@ -328,8 +328,9 @@ class ContinuousBatcher:
 
     def _drafts(self, r: _Req) -> int:
         """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
-        which the host advances only over tokens it has seen)."""
-        return 0 if r.matcher is not None else self.speculative
+        which the host advances only over tokens it has seen) or one that opted out
+        (``RequestSpec.drafts``)."""
+        return 0 if r.matcher is not None or not r.spec.drafts else self.speculative
 
     def _delayed(self, rows: list[tuple[_Req, int, bool]], sample: np.ndarray) -> bool | np.ndarray:
         """``Batch.delayed``: False without a sampling grammar request; with ``delay="rows"`` a
@@ -367,6 +368,7 @@ class ContinuousBatcher:
             if r.finished:
                 self.extra_tokens += 1
                 continue
+            r.steps += 1
             self._take(r, tok, result.step)
 
     def _process_drafts(self, result: DraftResult) -> None:

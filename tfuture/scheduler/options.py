@@ -49,6 +49,8 @@ class GenerationParams:
             (a dict or its JSON text; compiled with xgrammar for the engine's tokenizer). One
             that xgrammar accepted but does not parse (a raw control character in a string with
             ``maxLength``, xgrammar #800) finishes with reason ``"invalid"``.
+        speculative: on an engine built with ``speculative=`` (a drafter), False makes this
+            request decode plainly (no drafts) beside the others; ignored elsewhere.
         grammar: structured output: a :class:`tfuture.grammars.Grammar` (compiled already) or
             an xgrammar EBNF string (root rule ``root``). At most one of the two.
 
@@ -92,6 +94,7 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     json_schema: dict[str, Any] | str | None = None
     grammar: Any = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -121,6 +124,8 @@ class GenerationParams:
         if any(t < 0 for t in ids):
             raise ValueError(f"GenerationParams.stop_token_ids must be token ids >= 0, got {list(ids)}")
         object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.speculative, bool | np.bool_):
+            raise TypeError(f"GenerationParams.speculative must be a bool, got {self.speculative!r}")
         if not isinstance(self.ignore_eos, bool | np.bool_):
             raise TypeError(f"GenerationParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.json_schema is not None and self.grammar is not None:

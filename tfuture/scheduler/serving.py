@@ -48,13 +48,17 @@ __all__ = ["Completion", "RequestTimings", "ServingScheduler", "TokenUpdate", "U
 class RequestTimings:
     """Host times of one request (``time.perf_counter()`` seconds), stamped when the scheduler
     adds it and when it processes its tokens (so under overlap a token is stamped one step
-    after its forward was launched, when the host sees it)."""
+    after its forward was launched, when the host sees it), and its counts: tokens, model steps
+    that gave it tokens, and (speculative decoding) drafts verified and accepted."""
 
     submitted: float
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
     n_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -266,6 +270,7 @@ class ServingScheduler(ContinuousBatcher):
                 continue
             new = r.out[n0:]
             t = live.timings
+            t.steps, t.drafted, t.accepted = r.steps, r.drafted, r.accepted
             if new:
                 if t.first_token is None:
                     t.first_token = now
