@@ -137,13 +137,15 @@ class ServingScheduler(ContinuousBatcher):
         retain: keep each finished request's :class:`Completion` in :attr:`completions` (and
             its tokens in ``outputs``); False forgets them once delivered (a long-lived server).
         kw: :class:`ContinuousBatcher`'s options (``max_running``, ``chunk``,
-            ``token_budget``, ``grammar``, ``mask``, ``delay``, ``history_rows``, ...); the
+            ``token_budget``, ``grammar``, ``mask``, ``delay``, ``history_rows``,
+            ``speculative``, ...); the
             defaults here are a server's: prompt chunks of 512 tokens, 2048 tokens a step.
 
     Finish reasons: ``"stop"`` (one of the request's stop tokens), ``"length"`` (``max_new``
     tokens), ``"grammar"`` (its matcher terminated on a token that is not a stop token),
     ``"abort"`` (:meth:`abort`), ``"error"`` (the run failed: :meth:`fail`; or the request's
-    callback raised, which ends that request only).
+    callback raised, which ends that request only), ``"invalid"`` (its grammar accepted an
+    output that is not valid: JSON with a raw control character, xgrammar #800).
     """
 
     def __init__(
