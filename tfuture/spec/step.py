@@ -108,7 +108,9 @@ class SpecTokenStep(TokenStep):
     """
 
     keeps_out = True  # drafts live only in the slots: sync mode names its last step's slots too
-    stream_ops = (*TokenStep.stream_ops, "verify", "draft", "draft_release")
+    # The ops it runs (a fault plan may name only these): the token step's sample, sample_now
+    # and replay become verify and draft; the drafter's ended rows go back in prepare.
+    stream_ops = ("prepare", "copy", "debug", "release", "forward", "verify", "draft", "store")
     state_type = SpecState
 
     def __init__(self, model: Model, drafter: Drafter, sampler: Sampler | None = None) -> None:
@@ -219,14 +221,10 @@ class SpecTokenStep(TokenStep):
             seq_lens = fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
             fwd = fwd._replace(positions=positions, seq_lens=seq_lens)
         state.fwd = fwd._replace(sample_rows=inputs.vrows)
+        if state.ended.size:
+            # Before observe: a request admitted in this step may take an ended request's row.
+            self.drafter.release(state.ended)
         self.drafter.observe(state.fwd)
-
-    def forward_ops(self, rec: InFlight) -> list[Op]:
-        ops = super().forward_ops(rec)
-        ended = rec.state.ended
-        if ended.size:
-            ops.insert(0, ("draft_release", lambda: self.drafter.release(ended)))
-        return ops
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
         if mask is not None:
