@@ -249,3 +249,20 @@ def test_a_request_may_opt_out_of_drafting(model: Any) -> None:
     assert spec.drafted == sum(o.timings.drafted for o in spec) and plain.drafted == 0
     with pytest.raises(TypeError, match="speculative must be a bool"):
         GenerationParams(speculative="yes")  # type: ignore[arg-type]
+
+
+def test_generate_gives_the_draft_model_its_state_back(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    draft = build_llama(vocab=VOCAB, hidden=32, layers=1, seed=4)
+    draft.train()
+    attn = draft.config._attn_implementation
+    out = tfuture.generate(
+        model,
+        [[1, 2, 3, 1, 2]],
+        GenerationParams(max_tokens=6, temperature=0),
+        speculative=ModelDrafter(draft, k=2),
+    )
+    assert len(out[0].token_ids) == 6 and out.drafted > 0
+    assert draft.training and draft.config._attn_implementation == attn

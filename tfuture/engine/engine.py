@@ -162,7 +162,11 @@ class Engine:
                 )
             else:
                 assert self.max_len is not None
-                kind = spec_step(self.model, self.drafter, self.sampler, max_running, self.max_len + extra)
+                kind, draft_back = spec_step(
+                    self.model, self.drafter, self.sampler, max_running, self.max_len + extra
+                )
+                if draft_back is not None:  # the draft model's state, given back with the model's
+                    give_back = self._give_back = _chain(give_back, draft_back)
                 self.runtime = OverlapRuntime(kind, self.fmap, overlap=overlap, stream=stream, trace=trace)
             self.scheduler = ServingScheduler(
                 self.fmap,
@@ -395,3 +399,16 @@ class Engine:
         self.scheduler.end_run()
         self.last_stats = stats
         return stats
+
+
+def _chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
+    """Call ``first`` (if any), then ``then``."""
+
+    def both() -> None:
+        try:
+            if first is not None:
+                first()
+        finally:
+            then()
+
+    return both
