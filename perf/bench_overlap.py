@@ -66,6 +66,7 @@ STREAM = "auto" if HAS_CUDA else "worker"  # the runtime's backend: CUDA streams
 HAND_STREAM = "cuda" if HAS_CUDA else "worker"
 IDLE = (4.0, 2.0, 16)  # T_dev ms, T_cpu ms, batch of the idle-share run
 MODES = ("overlap", "sync")
+SYNC_BOUND = 2.0  # sync step / nominal at T_cpu = T_dev: one after the other
 COLORS = {"overlap": "blue", "sync": "red", "hand_overlap": "green", "nominal": "black", "graphs": "purple"}
 GRAPHS = ("graphs",) if HAS_CUDA else ()  # step graphs: CUDA only
 RATIO_LINES = ("overlap", "sync", *GRAPHS, "hand_overlap")
@@ -290,11 +291,16 @@ def look(bench: triton.testing.Benchmark) -> harness.Look:
         ls=":",
         marker="v",
     )
+    # Sync runs host work and device work one after the other: T_cpu + T_dev = 2x the nominal
+    # max(T_cpu, T_dev) at T_cpu = T_dev, the line sync cannot beat and overlap should stay under.
+    sync_bound = harness.Ref(
+        "sync bound: T_cpu + T_dev = 2\u00d7 nominal", SYNC_BOUND, color=COLORS["sync"], ls=(0, (1, 1))
+    )
     return harness.Look(
         what="decode step time over the nominal max(T_cpu, T_dev)",
         ylabel="ratio to nominal max(T_cpu, T_dev)",
         xlabel=xlabel,
-        refs=(target,),
+        refs=(target, sync_bound),
     )
 
 

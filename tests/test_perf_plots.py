@@ -151,3 +151,23 @@ def test_contract_targets_on_a_plot_become_bounds() -> None:
     medians = {"empty_launch": 2.0, "torch": 7.0}
     assert refs[near_launch].y(medians) == pytest.approx(2.3)
     assert refs[under_torch].y(medians) == pytest.approx(2.0)
+
+
+def test_the_hf_plot_sweeps_several_batch_sizes() -> None:
+    # Issue 30 item 14: hf_tokens_per_s.png had one x point (batch 4 only), an empty plot.
+    from perf import bench_hf
+
+    bench = bench_hf.hf_tokens.benchmarks
+    assert bench.x_names == ["batch"] and len(bench.x_vals) >= 2
+    assert bench_hf.MAX_BATCH == max(bench.x_vals)  # the KV pool holds the largest batch
+
+
+def test_the_overlap_ratio_plot_draws_the_sync_2x_bound() -> None:
+    # Issue 30 item 14: sync runs T_cpu then T_dev, 2x the nominal max at T_cpu = T_dev.
+    from perf import bench_overlap
+
+    ratio = next(
+        b for b in bench_overlap.overlap_step.benchmarks if b.plot_name == "overlap_step_over_nominal"
+    )
+    bounds = [r for r in bench_overlap.look(ratio).refs if r.y == 2.0]
+    assert len(bounds) == 1 and "sync" in bounds[0].label and "2" in bounds[0].label

@@ -203,6 +203,43 @@ def cut_then_full(rank: int, world: int, port: int, tp: int, pp: int) -> dict[st
         ctx.close()
 
 
+class ReusedBuffer:
+    """Test-side wrapper: ``sample`` returns one buffer it rewrites every step (as a model that
+    hands back a CUDA graph's static output does)."""
+
+    def __init__(self, model: ParallelTransformer) -> None:
+        self.model = model
+        self.hidden_size, self.hidden_dtype = model.hidden_size, model.hidden_dtype
+        self.buf = torch.full((64,), -7, dtype=torch.int64)
+
+    def forward(self, batch: Any, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.forward(batch, hidden)
+
+    def sample(self, logits: torch.Tensor, batch: Any, mask: torch.Tensor | None) -> torch.Tensor:
+        tokens = self.model.sample(logits, batch, mask)
+        out = self.buf[: tokens.numel()]
+        out.copy_(tokens)
+        return out
+
+
+def reused_sample_buffer(rank: int, world: int, port: int, tp: int, pp: int) -> dict[str, Any]:
+    """An overlapped run whose model's ``sample`` returns one reused buffer: the parallel step
+    copies the tokens it stores ``lag`` micro-batches later and sends asynchronously."""
+    ctx = join(rank, world, port, tp, pp)
+    try:
+        fmap = FutureMap(64, device="cpu")
+        groups = [
+            ContinuousBatcher(part, fmap, eos=EOS, max_running=2)
+            for part in split_round_robin(workload(), pp)
+        ]
+        model = ReusedBuffer(ParallelTransformer(ctx=ctx, **MODEL))
+        ParallelRuntime(model, fmap, ctx, overlap=True).run(groups)
+        outputs = {rid: toks for g in groups for rid, toks in g.outputs.items()}
+        return {"outputs": outputs, "in_use": fmap.in_use}
+    finally:
+        ctx.close()
+
+
 class FailingModel:
     """Test-side wrapper: ``forward`` (or ``sample``) raises at step ``at`` on this rank.
 

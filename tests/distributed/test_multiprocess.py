@@ -86,6 +86,16 @@ def test_a_cut_run_leaves_nothing_in_flight(pool2: RankPool, reference: dict[int
         assert full["outputs"] == reference and full["in_use"] == 0, f"rank {rank}"
 
 
+def test_pipeline_copies_the_tokens_of_a_model_that_reuses_its_sample_buffer(
+    pool2: RankPool, reference: dict[int, list[int]]
+) -> None:
+    # Issue 30 item 16: the last stage's tokens are stored a micro-batch later and sent
+    # asynchronously; the next sample rewrites the model's buffer meanwhile.
+    for rank, out in enumerate(pool2.run(ds.reused_sample_buffer, 1, 2, timeout_s=JOIN_S)):
+        assert out["outputs"] == reference, f"rank {rank}: outputs differ from the single-rank run"
+        assert out["in_use"] == 0
+
+
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_grammar_rows_wait_for_their_masks_across_ranks(pool2: RankPool, tp: int, pp: int) -> None:
     want = ds.grammar_reference()

@@ -109,7 +109,7 @@ def test_a_tokenizer_that_is_not_byte_level_is_refused():
 
 def test_without_xgrammar_the_error_says_how_to_install(monkeypatch, tok):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
-    with pytest.raises(ImportError, match=r"pip install tfuture\[grammar\]"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[grammar\]'"):
         XGrammarCompiler(tok)
 
 

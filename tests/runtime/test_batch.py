@@ -73,3 +73,65 @@ def test_a_refused_batch_still_releases_its_consumed_handles(bad):
     # The runtime took the batch's handles over: the valid one is released, nothing leaks.
     assert good.released and fmap.in_use == 0 and not worker_threads()
     assert other.in_use == (1 if bad == "foreign" else 0)
+
+
+class _MaskedBatch(_OneBatch):
+    """:class:`_OneBatch` whose ``build_mask`` allows one token per waiting row (token 5) and
+    counts the rows it was asked for."""
+
+    def __init__(self, batch: Batch) -> None:
+        super().__init__(batch)
+        self.mask_rows: list[int] = []
+        self.tokens: list[int] = []
+
+    def build_mask(self, batch):
+        rows = int(np.count_nonzero(batch.delayed[batch.sample]))
+        self.mask_rows.append(rows)
+        mask = np.zeros((rows, 16), dtype=bool)
+        mask[:, 5] = True
+        return mask
+
+    def process(self, result) -> None:
+        self.tokens.extend(result.tokens.tolist())
+
+
+def _two_requests(**kw) -> Batch:
+    return Batch(
+        np.array([1, 2]), np.ones(2, np.int64), np.zeros(2, np.int64), np.arange(2), np.ones(2, bool), **kw
+    )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize(
+    "later", [True, np.bool_(True), np.array([False, True])], ids=["bool", "numpy-bool", "array"]
+)
+def test_delayed_assigned_after_construction_is_taken_as_the_constructor_takes_it(later, overlap):
+    # Issue 30 item 8: batch.delayed = True after construction died inside the runtime with
+    # "'bool' object has no attribute 'base'". It waits for its mask as Batch(delayed=True) does.
+    tokens = {}
+    for how in ("constructor", "assigned"):
+        batch = _two_requests(delayed=later) if how == "constructor" else _two_requests()
+        if how == "assigned":
+            batch.delayed = later
+        sched = _MaskedBatch(batch)
+        fmap = FutureMap(8, device="cpu")
+        OverlapRuntime(ToyModel(vocab=16), fmap, overlap=overlap).run(sched)
+        assert sched.mask_rows == [1 if isinstance(later, np.ndarray) else 2]
+        assert fmap.in_use == 0 and not worker_threads()
+        tokens[how] = sched.tokens
+    assert tokens["assigned"] == tokens["constructor"]
+    assert tokens["assigned"][1] == 5  # the waiting row took its mask
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["yes", 1, np.array([1, 0]), np.array([True]), [True, False]],
+    ids=["str", "int", "int-array", "short-array", "list"],
+)
+def test_a_bad_delayed_assigned_after_construction_is_refused_naming_the_field(bad):
+    batch = _two_requests()
+    batch.delayed = bad
+    fmap = FutureMap(8, device="cpu")
+    with pytest.raises(TypeError, match=r"Batch\.delayed must be a bool or a bool numpy array of 2 entries"):
+        OverlapRuntime(ToyModel(vocab=16), fmap).run(_MaskedBatch(batch))
+    assert fmap.in_use == 0 and not worker_threads()

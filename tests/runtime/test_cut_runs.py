@@ -60,3 +60,59 @@ def test_a_cut_runtime_keeps_its_sampler_until_closed() -> None:
     fresh = ContinuousBatcher(specs(), fmap, eos=-1, max_running=3)
     OverlapRuntime(model, fmap, sampler=sampler).run(fresh)
     assert fmap.in_use == 0
+
+
+class Closing:
+    """:class:`TinyTransformer` (through the Sampler) with a counted ``close()``: the model's
+    per-request state is dropped only when the runtime closes it."""
+
+    def __init__(self) -> None:
+        self.inner = TinyTransformer(VOCAB, d_model=16, seed=2)
+        self.closed = 0
+
+    def forward(self, batch):
+        return self.inner.forward(batch)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class Pausing:
+    """A scheduler that stops handing out steps after ``pause_after`` of them and says ``cut``
+    (a server pausing with requests live), then goes on in the next run."""
+
+    def __init__(self, inner: ContinuousBatcher, pause_after: int) -> None:
+        self.inner, self.left, self.cut = inner, pause_after, False
+
+    def schedule(self):
+        if self.left is not None and self.left <= 0:
+            self.cut = True
+            return None
+        if self.left is not None:
+            self.left -= 1
+        return self.inner.schedule()
+
+    def process(self, result) -> None:
+        self.inner.process(result)
+
+    def build_mask(self, batch):
+        return self.inner.build_mask(batch)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_scheduler_that_says_cut_keeps_its_requests_for_the_next_run(overlap: bool) -> None:
+    # Issue 30 item 16: with `cut` set the runtime keeps the requests' state (no model close(),
+    # the sampler's history rows still held) and the next run continues them as if uncut.
+    want, _, _ = run([None], overlap)
+    fmap = FutureMap(32, device="cpu")
+    sampler, model = Sampler(history_rows=6), Closing()
+    runtime = OverlapRuntime(model, fmap, overlap=overlap, sampler=sampler)
+    inner = ContinuousBatcher(specs(), fmap, eos=-1, max_running=3)
+    sched = Pausing(inner, pause_after=3)
+    runtime.run(sched)
+    assert not inner.idle and model.closed == 0  # requests live: nothing given up
+    assert sampler.live_rows > 0  # their penalty history kept
+    sched.left, sched.cut = None, False
+    runtime.run(sched)
+    assert inner.outputs == want
+    assert model.closed == 1 and sampler.live_rows == 0 and fmap.in_use == 0

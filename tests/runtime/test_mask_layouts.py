@@ -14,7 +14,7 @@ from tfuture import FutureMap
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.steps.masks import check_mask
-from tfuture.testing import ContinuousBatcher, ToyGrammar, ToyModel, random_workload
+from tfuture.testing import ContinuousBatcher, RequestSpec, ToyGrammar, ToyModel, random_workload
 
 VOCAB = 70  # 3 words a bitmask row: a column-major bitmask has stride(1) != 1
 
@@ -47,3 +47,36 @@ def test_check_mask_returns_row_major_rows():
     assert t.stride() == (3, 1) and torch.equal(t, torch.full((3, 3), -1, dtype=torch.int32))
     empty = check_mask(np.zeros((0, 3), dtype=np.int32), reqs[:0], 0, VOCAB)
     assert empty.shape == (0, 3) and empty.stride() == (3, 1)
+
+
+class RecordingModel(ToyModel):
+    """:class:`ToyModel` that keeps the bool mask its own ``sample`` gets, per step."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.masks: list[torch.Tensor] = []
+
+    def sample(self, logits, batch, mask):
+        if mask is not None:
+            self.masks.append(mask.clone())
+        return super().sample(logits, batch, mask)
+
+
+@pytest.mark.parametrize("kind", ["bitmask", "bool"])
+def test_rows_that_pad_a_delayed_steps_mask_allow_every_token(kind):
+    # Issue 30 item 16: with delay="rows" only the grammar requests' rows wait for the mask; a
+    # model's own sample takes every row at once, so the mask is widened with rows for the free
+    # requests, which must allow every token (a padding row that allows none samples token 0).
+    specs = [RequestSpec(rid, 0, np.array([rid + 1, 7, 9]), 6, grammar=rid % 2 == 0) for rid in range(4)]
+    fmap = FutureMap(32, device="cpu")
+    sched = ContinuousBatcher(
+        specs, fmap, grammar=ToyGrammar(VOCAB, seed=5), max_running=6, eos=-1, mask=kind, delay="rows"
+    )
+    model = RecordingModel(vocab=VOCAB)
+    OverlapRuntime(model, fmap).run(sched)
+    assert fmap.in_use == 0
+    padded = [m for m in model.masks if bool(m.all(dim=1).any())]
+    assert padded, "no step mixed waiting and free rows"
+    for s in specs:
+        if not s.grammar:  # a free request samples as without any grammar in the run
+            assert sched.outputs[s.rid] == model.reference(s.prompt, s.rid, s.max_new), s.rid

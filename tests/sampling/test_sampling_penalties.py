@@ -280,3 +280,21 @@ def test_history_known_vocab_and_int32_inputs(vocab_size: int | None) -> None:
     run_step(s, p0, torch.tensor([5, 1, 0], dtype=torch.int32), torch.zeros(0, 8, dtype=torch.float64))
     assert (s.counts is not None) == (vocab_size is not None)
     assert int(run_step(s, p1, torch.tensor([0], dtype=torch.int32), logits)[0]) == 3
+
+
+def test_a_recorded_token_is_seen_before_it_comes_back_as_an_input() -> None:
+    # Issue 30 item 16: record marks the sampled token seen itself, so the repetition penalty of
+    # the next step applies though its input (a placeholder the host has not resolved, here 0)
+    # is not that token: the host is ahead, every plan made before any token is known.
+    logits = torch.arange(1, 9, dtype=torch.float64).unsqueeze(0)  # positive: argmax 7, then 6
+    s = Sampler(history_rows=1)
+    rep = SamplingParams(repetition_penalty=10.0)
+    plans = [_one_decode(s, rep, 42, 3 + i, EMPTY, i) for i in range(4)]
+    state = s.prepare(plans[0], torch.from_numpy(plans[0].words.copy()))
+    s.observe(state, torch.tensor([0]))
+    first = s.sample(state, logits)
+    s.record(state, first)
+    assert int(first[0]) == 7
+    assert s.seen is not None and s.seen[1].nonzero().flatten().tolist() == [0, 7]  # before any observe
+    got = [int(run_step(s, p, torch.tensor([0]), logits)[0]) for p in plans[1:]]
+    assert got == [6, 5, 4]

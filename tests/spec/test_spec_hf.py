@@ -62,16 +62,17 @@ def run(
     chunk: int = 8,
     eos: int = NO_STOP,
     faults: FaultPlan | None = None,
+    debug: bool = False,
 ) -> tuple[ContinuousBatcher, Any]:
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, debug=debug)
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     kind: Any = hf
     k = 0
     if drafter is not None:
         drafter.bind(ROWS, MAX_LEN, torch.device("cpu"))
-        kind, k = SpecTokenStep(hf, drafter, Sampler()), drafter.k
+        kind, k = SpecTokenStep(hf, drafter, Sampler(history_rows=ROWS)), drafter.k
     sched = ContinuousBatcher(specs, fmap, eos=eos, max_running=ROWS, chunk=chunk, speculative=k)
-    kw = {} if drafter is not None else {"sampler": Sampler()}
+    kw = {} if drafter is not None else {"sampler": Sampler(history_rows=ROWS)}
     stats = OverlapRuntime(kind, fmap, overlap=overlap, trace=False, faults=faults, **kw).run(sched)
     assert fmap.in_use == 0, "every slot is released after the run"
     return sched, stats
@@ -125,11 +126,11 @@ def test_ngram_drafts_cut_model_steps_on_a_repetitive_workload(model: Any) -> No
     assert stats.steps < base_stats.steps
 
 
-def test_delays_on_every_stream_op(model: Any) -> None:
+def test_delays_on_every_stream_op_in_debug_mode(model: Any) -> None:
     specs = workload(n=3, max_new=10)
     plain, _ = run(model, specs)
     faults = FaultPlan(seed=1, max_delay_s=0.003)
-    spec, _ = run(model, specs, NGramDrafter(k=3), faults=faults)
+    spec, _ = run(model, specs, NGramDrafter(k=3), faults=faults, debug=True)
     assert spec.outputs == plain.outputs
     assert sum(faults.injected.values()) > 0
 
@@ -183,7 +184,85 @@ def test_without_drafts_the_step_samples_the_samplers_tokens(model: Any) -> None
     assert sched.outputs == plain.outputs
 
 
-def test_penalties_are_refused_with_a_drafter(model: Any) -> None:
-    specs = [RequestSpec(0, 0, np.arange(3, 9), 4, params=SamplingParams(presence_penalty=0.5))]
-    with pytest.raises(ValueError, match="request 0 asks for penalties"):
-        run(model, specs, NGramDrafter(k=2))
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_greedy_with_penalties_equals_plain_decoding(model: Any, overlap: bool) -> None:
+    pens = [
+        SamplingParams(temperature=0, repetition_penalty=1.3),
+        SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=0.3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=-0.2),
+    ]
+    specs = [
+        RequestSpec(s.rid, s.arrival, s.prompt, 14, params=p) for s, p in zip(workload(), pens, strict=True)
+    ]
+    plain, _ = run(model, specs)
+    for drafter in (NGramDrafter(k=3), ModelDrafter(copy.deepcopy(model), k=3)):
+        got, _ = run(model, specs, drafter, overlap=overlap)
+        assert got.outputs == plain.outputs
+        assert got.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_grammar_requests_take_masks_beside_drafting_requests(model: Any, overlap: bool) -> None:
+    from tfuture.testing import ToyGrammar
+
+    grammar = ToyGrammar(VOCAB, seed=2)
+    specs = [
+        RequestSpec(s.rid, s.arrival, s.prompt, s.max_new, grammar=s.rid % 2 == 1)
+        for s in workload(n=4, max_new=12)
+    ]
+
+    def go(k: int) -> ContinuousBatcher:
+        fmap = FutureMap(256)
+        hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
+        kind: Any = hf
+        if k:
+            drafter = NGramDrafter(k=k)
+            drafter.bind(ROWS, MAX_LEN, torch.device("cpu"))
+            kind = SpecTokenStep(hf, drafter, Sampler())
+        sched = ContinuousBatcher(specs, fmap, eos=NO_STOP, max_running=ROWS, grammar=grammar, speculative=k)
+        kw = {} if k else {"sampler": Sampler()}
+        OverlapRuntime(kind, fmap, overlap=overlap, trace=False, **kw).run(sched)
+        assert fmap.in_use == 0
+        return sched
+
+    plain, spec = go(0), go(3)
+    assert spec.outputs == plain.outputs
+    for s in specs:
+        if s.grammar:
+            assert grammar.accepts(spec.outputs[s.rid])
+    assert spec.drafted_tokens > 0  # the free requests drafted beside the grammar ones
+
+
+def test_a_request_may_opt_out_of_drafting(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    prompts = [s.prompt.tolist() for s in workload(n=3, max_new=10)]
+    params = [
+        GenerationParams(max_tokens=10, temperature=0, ignore_eos=True, speculative=i != 1) for i in range(3)
+    ]
+    plain = tfuture.generate(model, prompts, params)
+    spec = tfuture.generate(model, prompts, params, speculative=NGramDrafter(k=3))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[1].timings.drafted == 0 and spec[0].timings.drafted > 0
+    assert spec.drafted == sum(o.timings.drafted for o in spec) and plain.drafted == 0
+    with pytest.raises(TypeError, match="speculative must be a bool"):
+        GenerationParams(speculative="yes")  # type: ignore[arg-type]
+
+
+def test_generate_gives_the_draft_model_its_state_back(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    draft = build_llama(vocab=VOCAB, hidden=32, layers=1, seed=4)
+    draft.train()
+    attn = draft.config._attn_implementation
+    out = tfuture.generate(
+        model,
+        [[1, 2, 3, 1, 2]],
+        GenerationParams(max_tokens=6, temperature=0),
+        speculative=ModelDrafter(draft, k=2),
+    )
+    assert len(out[0].token_ids) == 6 and out.drafted > 0
+    assert draft.training and draft.config._attn_implementation == attn

@@ -157,3 +157,59 @@ def test_draft_batch_checks() -> None:
         DraftBatch(**{**ok, "tokens": np.array([4, -2, -3])}, sample=np.array([True]), n_verify=np.array([2]))
     with pytest.raises(TypeError, match="n_draft must be a 1-D integer"):
         DraftBatch(**ok, sample=np.array([True]), n_draft=[1])
+
+
+def test_a_verification_row_counts_the_drafts_before_it() -> None:
+    from tfuture.core.params import pack_params as pack
+    from tfuture.sampling.history import TokenHistory, apply_penalties
+    from tfuture.spec.penalties import penalise_rows, plan_penalties
+
+    hist = TokenHistory(2)
+    hist.ensure(V, torch.device("cpu"))
+    assert hist.counts is not None and hist.seen is not None
+    hist.counts[1, 4], hist.seen[1, 4] = 2, True  # request's history: token 4 twice
+    params = SamplingParams(
+        temperature=0, frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5
+    )
+    packed = pack([params]).repeat(3, axis=0)
+    # One request, rows 0..2 verify drafts d1 = 3 and d2 = 4 (token rows 1 and 2 of the step).
+    plan = plan_penalties(packed, np.array([1, 1, 1]), np.array([0, 0, 0]), np.array([0, 1, 2]))
+    assert plan is not None and plan.n_pairs == 3
+    input_ids = torch.tensor([9 % V, 3, 4])
+    logits = torch.linspace(-1, 1, 3 * V).view(3, V)
+    got = penalise_rows(logits, hist, plan, torch.from_numpy(plan.words), input_ids)
+    for j, before in enumerate([[], [3], [3, 4]]):
+        counts = hist.counts[1].clone()
+        seen = hist.seen[1].clone()
+        for t in before:
+            counts[t] += 1
+            seen[t] = True
+        one = torch.ones(1, dtype=torch.float32)
+        want = apply_penalties(logits[j : j + 1], seen[None], counts[None], 1.5 * one, 0.5 * one, 0.25 * one)
+        assert torch.equal(got[j], want[0]), j
+
+
+def test_ngram_numpy_twin_equals_the_torch_path() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        n, vocab = 4, int(rng.integers(2, 6))  # small vocabularies: many matches
+        tokens = rng.integers(0, vocab, size=(n, 40))
+        lens = rng.integers(1, 36, size=n)
+        n_commit = rng.integers(1, 4, size=n)
+        committed = rng.integers(0, vocab, size=(n, 3))
+        drafts = []
+        max_ngram = int(rng.integers(1, 4))
+        for path in ("numpy", "torch"):
+            d = NGramDrafter(k=3, max_ngram=max_ngram)
+            d.bind(n, 48, torch.device("cpu"))
+            assert d.history is not None
+            d.history[:, :40] = torch.from_numpy(tokens)
+            ctx = DraftContext(
+                np.arange(n),
+                torch.from_numpy(committed),
+                torch.from_numpy(n_commit),
+                torch.from_numpy(lens + 3),
+                44,
+            )
+            drafts.append(d.draft(ctx) if path == "numpy" else d._draft_torch(ctx, 44))
+        assert torch.equal(drafts[0], drafts[1]), trial

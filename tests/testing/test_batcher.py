@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from tfuture import FutureMap
 from tfuture.core.batch import Batch
 from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler, SamplingParams
 from tfuture.testing import ContinuousBatcher, ToyModel, random_workload
 
 
@@ -83,3 +86,38 @@ def test_a_bad_delay_is_named():
     specs = [RequestSpec(0, 0, np.array([1, 2]), 4, True)]
     with pytest.raises(ValueError, match=r"delay must be one of \('rows', 'batch'\), got 'row'"):
         ContinuousBatcher(specs, fmap, grammar=ToyGrammar(64), delay="row")
+
+
+class Holding(ContinuousBatcher):
+    """Records, after each schedule, how many requests with penalties run at once."""
+
+    def __init__(self, *args, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kw)
+        self.penalised_running: list[int] = []
+
+    def schedule(self) -> Batch | None:
+        batch = super().schedule()
+        pen = [r for r in self.running if r.spec.params is not None and r.spec.params.has_penalties]
+        self.penalised_running.append(len(pen))
+        return batch
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_penalised_requests_wait_while_every_history_row_is_taken(overlap):
+    # Issue 30 item 16: with history_rows=2 at most two requests with penalties run at once; the
+    # others wait for admission (back-pressure) instead of failing the run for want of a row,
+    # and every request gets the tokens it gets with rows to spare.
+    pen = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5)
+    base = random_workload(4, 6, vocab=64, max_new=6, arrival_span=0)
+    specs = [replace(s, params=pen if s.rid % 3 else None) for s in base]  # 4 of 6 penalised
+    outs = {}
+    for rows in (2, 6):
+        fmap = FutureMap(64, device="cpu")
+        sched = Holding(specs, fmap, eos=-1, max_running=6, history_rows=rows)
+        OverlapRuntime(ToyModel(vocab=64), fmap, sampler=Sampler(history_rows=rows), overlap=overlap).run(
+            sched
+        )
+        assert fmap.in_use == 0 and sorted(sched.outputs) == [s.rid for s in specs]
+        assert max(sched.penalised_running) == min(rows, 4)
+        outs[rows] = sched.outputs
+    assert outs[2] == outs[6]

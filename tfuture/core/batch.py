@@ -109,7 +109,9 @@ class Batch:
         delayed: ``[n_reqs]`` bool, True where the request's token waits for a mask built after
             the previous step's results were processed (a grammar); a single bool given at
             construction applies to every request and is stored as such an array. Entries of
-            requests that do not sample are ignored. Assign a ``[n_reqs]`` bool array to change it.
+            requests that do not sample are ignored. To change it, assign a bool or a ``[n_reqs]``
+            bool array: the runtime takes it at launch as the constructor does (anything else
+            is refused there with a ``TypeError`` naming ``Batch.delayed``).
         params: ``{req_id: SamplingParams}`` of the requests admitted in this step (their first
             step), or None. A request keeps its parameters until it ends (:attr:`ended`); a
             request never given any samples greedily. Needs tfuture's sampler.

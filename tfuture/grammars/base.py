@@ -38,6 +38,17 @@ class Matcher(Protocol):
         """True once the request's output is complete (e.g. its stop token was accepted)."""
         ...
 
+    # Optional, called when present once the request ends on a stop token or its grammar's end:
+    # ``invalid() -> str | None``, why the accepted output is not in the grammar's language after
+    # all (a matcher that knows a bug of its own), or None. A scheduler then finishes the request
+    # with reason "invalid" and warns, instead of returning the output as valid.
+
+
+def invalid_output(matcher: Matcher) -> str | None:
+    """The matcher's optional ``invalid()``: why its accepted output is not valid, or None."""
+    check = getattr(matcher, "invalid", None)
+    return check() if callable(check) else None
+
 
 @runtime_checkable
 class Grammar(Protocol):

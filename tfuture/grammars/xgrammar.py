@@ -1,5 +1,5 @@
-"""xgrammar behind the :class:`tfuture.grammars.Grammar` protocol (optional extra: ``pip install
-tfuture[grammar]``; xgrammar is imported on first use, not with this module).
+"""xgrammar behind the :class:`tfuture.grammars.Grammar` protocol (optional extra, from a clone of
+tfuture: ``pip install -e '.[grammar]'``; xgrammar is imported on first use, not with this module).
 
     compiler = XGrammarCompiler(tokenizer, vocab_size=model_vocab)      # once per tokenizer
     grammar = compiler.json_schema({"type": "object", ...})             # once per schema
@@ -23,7 +23,7 @@ import numpy as np
 
 __all__ = ["XGrammar", "XGrammarCompiler", "XGrammarMatcher", "tokenizer_info"]
 
-_INSTALL = "pip install tfuture[grammar]"
+_INSTALL = "from a clone of tfuture, pip install -e '.[grammar]'"
 
 
 def _xgr() -> Any:
@@ -143,37 +143,75 @@ def tokenizer_info(
     )
 
 
+class _JsonText:
+    """What a JSON grammar's matchers need to check their output: each token's bytes
+    (``xgrammar.TokenizerInfo.decoded_vocab``) and the stop tokens (no text of the document)."""
+
+    __slots__ = ("decoded", "stops")
+
+    def __init__(self, info: Any) -> None:
+        self.decoded: list[bytes] = list(info.decoded_vocab)
+        self.stops = frozenset(int(t) for t in info.stop_token_ids)
+
+    def problem(self, tokens: list[int]) -> str | None:
+        """Why ``tokens`` (stop tokens left out) are not one JSON document, or None."""
+        text = b"".join(self.decoded[t] for t in tokens if t not in self.stops)
+        try:
+            json.loads(text.decode("utf-8"))
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raw = sorted({f"{b:#04x}" for b in text if b < 0x20 and b not in b"\t\n\r "})
+            why = f" (raw control characters {', '.join(raw)}: xgrammar #800)" if raw else ""
+            return f"the grammar accepted output that is not valid JSON{why}: {exc}"
+        return None
+
+
 class XGrammarMatcher:
-    """One request's ``xgrammar.GrammarMatcher`` (a :class:`tfuture.grammars.Matcher`)."""
+    """One request's ``xgrammar.GrammarMatcher`` (a :class:`tfuture.grammars.Matcher`).
 
-    __slots__ = ("_m",)
+    A JSON grammar's matcher keeps the tokens it accepted and checks, in :meth:`invalid`, that
+    they parse: xgrammar's ``maxLength`` string rule lets raw control characters through
+    (upstream, xgrammar #800), so an accepted output may not be JSON."""
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("_json", "_m", "_out")
+
+    def __init__(self, matcher: Any, json_text: _JsonText | None = None) -> None:
         self._m = matcher
+        self._json = json_text
+        self._out: list[int] | None = [] if json_text is not None else None
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Row ``row`` of ``bitmask`` (int32 ``[n, ceil(vocab / 32)]``, host, C-contiguous)."""
         self._m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
-        return bool(self._m.accept_token(token))
+        ok = bool(self._m.accept_token(token))
+        if ok and self._out is not None:
+            self._out.append(token)
+        return ok
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
+
+    def invalid(self) -> str | None:
+        """Why the accepted output is not a JSON document after all (a JSON grammar's only),
+        or None."""
+        if self._json is None or self._out is None:
+            return None
+        return self._json.problem(self._out)
 
 
 class XGrammar:
     """A compiled xgrammar grammar (a :class:`tfuture.grammars.Grammar`): ``vocab`` and matchers."""
 
-    def __init__(self, compiled: Any, vocab: int) -> None:
-        self.compiled, self._vocab = compiled, vocab
+    def __init__(self, compiled: Any, vocab: int, json_text: _JsonText | None = None) -> None:
+        self.compiled, self._vocab, self._json = compiled, vocab, json_text
 
     @property
     def vocab(self) -> int:
         return self._vocab
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(_xgr().GrammarMatcher(self.compiled))
+        return XGrammarMatcher(_xgr().GrammarMatcher(self.compiled), self._json)
 
 
 class XGrammarCompiler:
@@ -201,6 +239,12 @@ class XGrammarCompiler:
         self.vocab: int = self.info.vocab_size
         self.stop_token_ids: list[int] = list(self.info.stop_token_ids)
         self._compiler = _xgr().GrammarCompiler(self.info, max_threads=max_threads)
+        self._json: _JsonText | None = None  # made by the first JSON grammar
+
+    def _json_text(self) -> _JsonText:
+        if self._json is None:
+            self._json = _JsonText(self.info)
+        return self._json
 
     def json_schema(
         self,
@@ -217,6 +261,11 @@ class XGrammarCompiler:
         finite, so every request ends. ``strict``: xgrammar's ``strict_mode`` (no properties or
         items beyond the schema's). ``options`` go to ``compile_json_schema`` (``indent``,
         ``separators``, ``max_whitespace_cnt``, ``any_order``).
+
+        xgrammar's ``maxLength`` string rule lets raw control characters through (upstream,
+        xgrammar #800), so an output the grammar accepted may not parse: its matchers check
+        the output when it ends (:meth:`XGrammarMatcher.invalid`), and the schedulers finish
+        such a request with reason ``"invalid"`` (and a ``RuntimeWarning``).
         """
         if not isinstance(schema, str | dict):
             raise TypeError(f"schema must be a dict or a JSON string, got {type(schema).__name__}")
@@ -227,13 +276,12 @@ class XGrammarCompiler:
                 text, any_whitespace=any_whitespace, strict_mode=strict, **options
             ),
         )
-        return XGrammar(compiled, self.vocab)
+        return XGrammar(compiled, self.vocab, self._json_text())
 
     def builtin_json(self) -> XGrammar:
         """Any JSON document (xgrammar's built-in JSON grammar); unbounded, so set ``max_new``."""
-        return XGrammar(
-            self._compile("built-in JSON grammar", self._compiler.compile_builtin_json_grammar), self.vocab
-        )
+        compiled = self._compile("built-in JSON grammar", self._compiler.compile_builtin_json_grammar)
+        return XGrammar(compiled, self.vocab, self._json_text())
 
     def ebnf(self, grammar: str, root: str = "root") -> XGrammar:
         """A grammar in xgrammar's EBNF dialect, starting at rule ``root``."""

@@ -1,5 +1,5 @@
 """Adapters that drive real models through the runtime: the ``hf`` extra
-(``pip install 'tfuture[hf]'``).
+(from a clone of tfuture: ``pip install -e '.[hf]'``).
 
 Importing this package without ``transformers`` installed raises an ``ImportError`` (a
 ``ModuleNotFoundError``) that names the extra. Installed, ``transformers`` is still imported
@@ -22,7 +22,8 @@ def _installed(name: str) -> bool:
 
 if not _installed("transformers"):
     raise ModuleNotFoundError(
-        "tfuture.models needs the 'hf' extra (transformers is not installed): pip install 'tfuture[hf]'",
+        "tfuture.models needs the 'hf' extra (transformers is not installed): from a clone of tfuture, "
+        "pip install -e '.[hf]'",
         name="transformers",
     )
 

@@ -74,7 +74,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as e:
-        raise ImportError("tfuture.models.hf needs transformers: pip install 'tfuture[hf]'") from e
+        raise ImportError(
+            "tfuture.models.hf needs transformers: from a clone of tfuture, pip install -e '.[hf]'"
+        ) from e
     return transformers
 
 
@@ -351,6 +353,14 @@ class HFCausalLM:
                 return
             self.pool.clear()
             self._owner = None
+
+    def restore(self) -> None:
+        """Give the model back its own attention implementation (``inner``, what it had before
+        construction switched it to ``tfuture_<inner>``), e.g. for Hugging Face's
+        ``generate_batch``, which refuses a foreign one. Construction also put the model in eval
+        mode: ``model.train()`` is the caller's. Call it once no run uses this adapter, nor any
+        other adapter over the same model: their forwards need the pooled attention."""
+        _set_attention(self.model, self.inner)
 
 
 def _set_attention(model: Any, name: str) -> None:

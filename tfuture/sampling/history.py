@@ -18,7 +18,28 @@ import torch
 
 from tfuture.sampling.plan import R_FREQ, R_PRES, R_REP, SamplerPlan
 
-__all__ = ["TokenHistory"]
+__all__ = ["TokenHistory", "apply_penalties"]
+
+
+def apply_penalties(
+    x: torch.Tensor,
+    seen: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """Out of place: the repetition penalty (``seen [m, V]`` bool, None: off), then frequency and
+    presence (``counts [m, V]``, None: off), with per-row ``[m]`` float factors. A seen token's
+    logit is divided by ``repetition`` when positive, multiplied when not; then
+    ``x - frequency * count - presence * (count > 0)``."""
+    if seen is not None:
+        r = repetition.unsqueeze(1)
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    if counts is not None:
+        c = counts.to(x.dtype)
+        x = x - frequency.unsqueeze(1) * c - presence.unsqueeze(1) * (c > 0)
+    return x
 
 
 class _Pending(NamedTuple):
@@ -95,14 +116,9 @@ class TokenHistory:
         """Repetition, then frequency and presence, for rows with history rows ``hist``; out of
         place (``x`` may be the caller's)."""
         assert self.counts is not None and self.seen is not None
-        if plan.repetition:
-            r = floats[R_REP].unsqueeze(1)
-            seen = self.seen.index_select(0, hist)
-            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        if plan.counts:
-            c = self.counts.index_select(0, hist).to(x.dtype)
-            x = x - floats[R_FREQ].unsqueeze(1) * c - floats[R_PRES].unsqueeze(1) * (c > 0)
-        return x
+        seen = self.seen.index_select(0, hist) if plan.repetition else None
+        counts = self.counts.index_select(0, hist) if plan.counts else None
+        return apply_penalties(x, seen, counts, floats[R_REP], floats[R_FREQ], floats[R_PRES])
 
     def forget_pending(self) -> None:
         """Drop marks kept for tables not made yet (their requests' run ended)."""

@@ -74,6 +74,12 @@ class SamplerPlan(NamedTuple):
         return self.words[self.words.size - self.sizes[5] :]
 
     @property
+    def obs_idx(self) -> np.ndarray:
+        """Input row (index into the batch's tokens) of each observed input token (host copy)."""
+        start = self.sizes[0] + self.sizes[1] + self.sizes[2]
+        return self.words[start : start + self.sizes[3]]
+
+    @property
     def obs_rows(self) -> np.ndarray:
         """History row of each observed input token (host copy)."""
         end = self.words.size - self.sizes[5]
@@ -94,6 +100,27 @@ def _exhausted(n: int, rid: int, packed: np.ndarray) -> str:
     return (
         f"request {rid} asks for penalties ({asks}) but all history_rows={n} device history rows "
         "are held by live requests with penalties (rows free when a request is listed in ended)"
+    )
+
+
+def largest_input(plan: SamplerPlan, tokens: np.ndarray) -> tuple[int, int]:
+    """``(row in tokens, token id)`` of the largest input id the plan observes (it has some)."""
+    obs = plan.obs_idx
+    ids = tokens[obs]
+    at = int(ids.argmax())
+    return int(obs[at]), int(ids[at])
+
+
+def request_of(row: int, req_ids: np.ndarray, seg_lens: np.ndarray) -> int:
+    """The request id whose segment holds token ``row`` of the batch."""
+    return int(req_ids[int(np.searchsorted(np.cumsum(seg_lens), row, side="right"))])
+
+
+def past_vocab(rid: int, token: int, vocab: int, step: int) -> str:
+    """The refusal of an input id past the vocab, for a request with penalties."""
+    return (
+        f"step {step}: request {rid} has input token id {token}, past the vocab of {vocab} (ids "
+        f"0..{vocab - 1}); a request with penalties marks its inputs in a [*, {vocab}] history"
     )
 
 

@@ -32,6 +32,9 @@ from tfuture.sampling.plan import (
     ROW_WORDS,
     SamplerPlan,
     build_plan,
+    largest_input,
+    past_vocab,
+    request_of,
 )
 
 __all__ = ["Sampler", "SamplerState"]
@@ -62,7 +65,9 @@ class Sampler:
         history_rows: requests with penalties that may be live at once (device history rows);
             0 refuses penalties with a ``ValueError`` naming the request.
         vocab_size: allocate the history at the first ``prepare`` instead of the first
-            ``sample`` (else the vocab is ``logits.shape[1]`` of the first ``sample``).
+            ``sample`` (else the vocab is ``logits.shape[1]`` of the first ``sample``). The
+            input ids of requests with penalties are checked against the vocab on the host
+            (:meth:`check_inputs`; the runtime also takes the model's ``vocab`` attribute).
 
     Guarantees: a greedy row returns exactly ``argmax`` (lowest index on ties) of its penalised,
     masked logits; a sampled row's token is a function of its logits, its parameters and its
@@ -87,6 +92,10 @@ class Sampler:
         self._arange: torch.Tensor | None = None
         self._zeros: dict[torch.dtype, torch.Tensor] = {}
         self._owner: object | None = None
+        # (request id, token id): the largest input id of a request with penalties planned
+        # before the vocab was known, checked when the first logits give it (check_inputs).
+        self._vocab_lock = threading.Lock()
+        self._unchecked: tuple[int, int] | None = None
 
     @property
     def counts(self) -> torch.Tensor | None:
@@ -189,11 +198,50 @@ class Sampler:
         params = self._params[rows.rows(req_ids, default=0)] if rows.held else None
         return build_plan(self._rows, params, req_ids, seg_lens, prefix_lens, sample_reqs, ended, step)
 
+    def check_inputs(
+        self,
+        plan: SamplerPlan,
+        tokens: np.ndarray,
+        req_ids: np.ndarray,
+        seg_lens: np.ndarray,
+        vocab: int | None = None,
+    ) -> None:
+        """HOST, after :meth:`plan_step`: refuse (``ValueError`` naming the request, the id and
+        the vocab) a concrete input id (``>= 0``; placeholders are sampled ids) of a request
+        with penalties that is past the vocab: its seen mark would index past the history.
+
+        ``tokens`` ``[n_tokens]``, ``req_ids``, ``seg_lens`` ``[n_reqs]`` int64: the batch's.
+        The vocab: this Sampler's (``vocab_size``, or the first logits'), else ``vocab`` (the
+        model's, when it says). While neither is known the largest such id is kept and checked
+        when the first logits give the vocab (then the run fails on the forward stream, with
+        the same message). Costs nothing in a step without penalties."""
+        if not plan.sizes[3]:
+            return
+        row, top = largest_input(plan, tokens)
+        limit = self.vocab if self.vocab is not None else vocab
+        if limit is not None and top < limit:
+            return
+        rid = request_of(row, req_ids, seg_lens)
+        if limit is None:
+            with self._vocab_lock:  # the forward stream sets the vocab under it
+                if self.vocab is None:
+                    if self._unchecked is None or top > self._unchecked[1]:
+                        self._unchecked = (rid, top)
+                    return
+                limit = self.vocab
+        if top >= limit:
+            raise ValueError(past_vocab(rid, top, limit, plan.step))
+
     def packed_params(self, req_ids: np.ndarray) -> np.ndarray:
         """HOST: ``[n, PARAM_WORDS]`` int64, the packed parameters of live ``req_ids`` (admitted
         ones; the greedy defaults for the others), as :meth:`plan_step` reads them."""
         rows = self._param_rows
         return self._params[rows.rows(req_ids, default=0) if rows.held else np.zeros(req_ids.size, np.int64)]
+
+    def history_rows_of(self, req_ids: np.ndarray) -> np.ndarray:
+        """HOST: ``[n]`` int64 device history rows of ``req_ids`` (0: none), as assigned by the
+        last :meth:`plan_step`."""
+        return self._rows.rows(req_ids, default=0)
 
     def reset(self) -> None:
         """HOST, after a run (the stream drained): free every history and parameter row. The
@@ -201,6 +249,7 @@ class Sampler:
         self._rows.reset()
         self._param_rows.reset()
         self.history.forget_pending()
+        self._unchecked = None
 
     @property
     def live_rows(self) -> int:
@@ -328,7 +377,10 @@ class Sampler:
             got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows)
             raise ValueError(f"rows must be an int64 [{m}] tensor (one per logits row), got {got}")
         if self.vocab is None:
-            self.vocab = vocab
+            with self._vocab_lock:
+                self.vocab, unchecked, self._unchecked = vocab, self._unchecked, None
+            if unchecked is not None and unchecked[1] >= vocab:
+                raise ValueError(past_vocab(*unchecked, vocab, plan.step))
         elif vocab != self.vocab:
             raise ValueError(
                 f"logits have vocab {vocab} but this Sampler's history was made for {self.vocab}"

@@ -17,15 +17,24 @@ request's first step; its end is reported in ``Batch.ended``.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from tfuture.core.batch import Batch, StepResult
 from tfuture.core.future_map import FutureIndices, FutureMap
 from tfuture.core.params import SamplingParams
-from tfuture.grammars.base import MASK_KINDS, Grammar, Matcher, build_bitmask, mask_requests
+from tfuture.grammars.base import (
+    MASK_KINDS,
+    Grammar,
+    Matcher,
+    build_bitmask,
+    invalid_output,
+    mask_requests,
+)
 from tfuture.scheduler.request import RequestSpec, check_params, grammar_vocab
 from tfuture.spec.batch import DraftBatch, DraftResult
 
@@ -33,8 +42,9 @@ __all__ = ["DELAYS", "FINISH_REASONS", "ContinuousBatcher", "RequestSpec", "spin
 
 DELAYS = ("rows", "batch")
 # Why a request finished: a stop token, its length limit, an abort, its grammar terminated (on a
-# token that is not one of its stop tokens), or the run failed (ServingScheduler).
-FINISH_REASONS = ("stop", "length", "abort", "grammar", "error")
+# token that is not one of its stop tokens), the run failed (ServingScheduler), or its grammar
+# accepted an output its matcher then found invalid (xgrammar #800: JSON that does not parse).
+FINISH_REASONS = ("stop", "length", "abort", "grammar", "error", "invalid")
 
 
 def spin(seconds: float) -> None:
@@ -54,6 +64,9 @@ class _Req:
     pending: tuple[Batch, int, int] | None = None
     n_pending: int = 0  # launched but unprocessed sampling steps (each commits >= 1 token)
     pending_extra: int = 0  # drafts those steps verify: tokens they may commit beyond one each
+    # Speculative: its pending slots, held by the batcher while it waits a step (the runtime
+    # releases a step's slots once a later step was launched); named by its next step.
+    kept: FutureIndices | None = None
     steps: int = 0  # sampling steps processed (model steps that gave it tokens)
     drafted: int = 0  # drafts it verified (speculative)
     accepted: int = 0  # of those, accepted
@@ -78,7 +91,9 @@ class ContinuousBatcher:
 
     ``outputs[rid]`` holds each request's generated tokens (the stop token included) and
     ``finish_reasons[rid]`` why it finished (``"stop"``: a stop token, ``"grammar"``: its
-    matcher terminated on another token, ``"length"``: ``max_new`` tokens). ``eos`` is one stop
+    matcher terminated on another token, ``"length"``: ``max_new`` tokens, ``"invalid"``: its
+    matcher found the output it accepted invalid, e.g. JSON that does not parse because of
+    xgrammar #800, with a ``RuntimeWarning``). ``eos`` is one stop
     token or a collection of them, for every request whose ``RequestSpec.stop`` is None. Each
     batch reports in ``Batch.ended`` the requests that finished since the last batch (they
     appear in no later step), so a model can free their KV cache; requests that finish after the
@@ -142,9 +157,13 @@ class ContinuousBatcher:
         self.history_rows = history_rows
         if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
             raise ValueError(f"speculative must be an int >= 0 (drafts per step), got {speculative!r}")
-        if speculative and any(s.grammar is not False for s in specs):
-            raise ValueError("speculative decoding does not serve grammar requests yet")
-        #: Drafts each request makes per step (0: plain decoding, plain Batches).
+        if speculative and token_budget < 1 + speculative:
+            raise ValueError(
+                f"token_budget={token_budget} cannot hold a speculative decode of 1 + {speculative} tokens "
+                f"(the last committed token and its drafts): give token_budget >= {1 + speculative}"
+            )
+        #: Drafts each request makes per step (0: plain decoding, plain Batches). A grammar
+        #: request makes none: its tokens wait for masks the host builds from its matcher.
         self.speculative = speculative
         self.stop = frozenset((eos,) if isinstance(eos, int | np.integer) else (int(t) for t in eos))
         self.eos = min(self.stop) if self.stop else -1  # one of them, for callers that read eos
@@ -189,8 +208,8 @@ class ContinuousBatcher:
             return self.schedule()
         rows: list[tuple[_Req, int, bool]] = []
         budget, slots_left = self.token_budget, self.fmap.free
-        need = 1 + self.speculative  # slots of a sampling request: its token, then its drafts
         for r in self.running:
+            need = 1 + self._drafts(r)  # slots of a sampling request: its token, then its drafts
             if r.fed < r.spec.prompt.size:
                 n = min(self.chunk, r.spec.prompt.size - r.fed, budget)
                 samples = r.fed + n == r.spec.prompt.size
@@ -202,6 +221,7 @@ class ContinuousBatcher:
                 # A speculative decode verifies the drafts its last step made.
                 n = r.pending[2] if self.speculative and r.pending is not None else 1
                 if budget < n or slots_left < need:
+                    self._keep(r)  # waits a step: its drafts' slots must outlive their step
                     continue
                 samples = True
             budget -= n
@@ -211,6 +231,14 @@ class ContinuousBatcher:
             self._check_not_stuck()
             return None
         return self._build(rows)
+
+    def _keep(self, r: _Req) -> None:
+        """Hold ``r``'s pending slots (its last committed token and drafts) in a handle of the
+        batcher's own while ``r`` waits: its step's slots go back once a later step launched."""
+        if r.kept is None and r.pending is not None and self.speculative:
+            b, row, n = r.pending
+            assert b.out is not None
+            r.kept = b.out.filter(np.arange(row, row + n, dtype=np.int64))
 
     def _history_row_free(self, spec: RequestSpec) -> bool:
         """With ``history_rows``: a request with penalties waits until a running one ends."""
@@ -246,6 +274,7 @@ class ContinuousBatcher:
     def _build(self, rows: list[tuple[_Req, int, bool]]) -> Batch:
         tokens: list[np.ndarray] = []
         seg, prefix, rids, sample = [], [], [], []
+        consumes: list[FutureIndices] = []
         by_batch: dict[int, tuple[Batch, list[int], list[tuple[int, int]]]] = {}
         decodes: set[int] = set()  # requests whose segment names their last step's slots
         for i, (r, n, samples) in enumerate(rows):
@@ -257,7 +286,12 @@ class ContinuousBatcher:
                 # Speculative steps in flight may commit up to pending_extra more tokens: the
                 # host's prefix is a bound, the step takes the true one from the slots.
                 prefix.append(r.known_len - 1 + r.pending_extra)
-                if r.pending is not None:
+                if r.kept is not None:  # it waited: its own handle on its slots
+                    consumes.append(r.kept)
+                    tokens.append(r.kept.host_placeholders().astype(np.int64))
+                    r.kept = None
+                    decodes.add(i)
+                elif r.pending is not None:
                     b, row, _ = r.pending
                     entry = by_batch.setdefault(id(b), (b, [], []))
                     entry[1].extend(range(row, row + n))
@@ -269,46 +303,79 @@ class ContinuousBatcher:
             seg.append(n)
             rids.append(r.spec.rid)
             sample.append(samples)
-        consumes: list[FutureIndices] = []
-        for b, out_rows, req_idx in by_batch.values():
-            assert b.out is not None
-            h = b.out.filter(np.asarray(out_rows, dtype=np.int64))
-            consumes.append(h)
-            phs, at = h.host_placeholders(), 0
-            for i, n in req_idx:
-                tokens[i] = phs[at : at + n].astype(np.int64)
-                at += n
-        sample_mask = np.asarray(sample, dtype=bool)
-        seg_lens = np.asarray(seg, dtype=np.int64)
-        kw = {}
-        verify = None
-        if self.speculative:
-            # A decode verifies the drafts of its last step: every token of its segment but the first.
-            decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
-            verify = np.where(decode, seg_lens - 1, 0)
-            kw = {"n_verify": verify, "n_draft": np.where(sample_mask, self.speculative, 0)}
-        batch = (DraftBatch if self.speculative else Batch)(
-            np.concatenate(tokens),
-            seg_lens,
-            np.asarray(prefix, dtype=np.int64),
-            np.asarray(rids, dtype=np.int64),
-            sample_mask,
-            consumes=consumes,
-            tag=[r for r, _, s in rows if s],
-            ended=np.asarray(self._ended, dtype=np.int64),
-            delayed=self._delayed(rows, sample_mask),
-            params=self._admitted(rows),
-            **kw,
-        )
+        try:
+            for b, out_rows, req_idx in by_batch.values():
+                assert b.out is not None
+                h = b.out.filter(np.asarray(out_rows, dtype=np.int64))
+                consumes.append(h)
+                phs, at = h.host_placeholders(), 0
+                for i, n in req_idx:
+                    tokens[i] = phs[at : at + n].astype(np.int64)
+                    at += n
+            batch, verify, sample_mask = self._batch(
+                rows, tokens, seg, prefix, rids, sample, consumes, decodes
+            )
+        except BaseException:
+            self.fmap.release_live(consumes)  # the handles made or taken here: nothing leaks
+            raise
         self._ended = []
-        need = 1 + self.speculative
         extra = None if verify is None else verify[sample_mask]
+        first = 0
         for row, r in enumerate(batch.tag):
-            r.pending = (batch, row * need, need)
+            need = 1 + self._drafts(r)
+            r.pending = (batch, first, need)
+            first += need
             r.n_pending += 1
             if extra is not None:
                 r.pending_extra += int(extra[row])
         return batch
+
+    def _batch(
+        self,
+        rows: list[tuple[_Req, int, bool]],
+        tokens: list[np.ndarray],
+        seg: list[int],
+        prefix: list[int],
+        rids: list[int],
+        sample: list[bool],
+        consumes: list[FutureIndices],
+        decodes: set[int],
+    ) -> tuple[Batch, np.ndarray | None, np.ndarray]:
+        """The checked batch (a :class:`DraftBatch` when speculative), its ``n_verify`` (None
+        for a plain batch) and its sample mask."""
+        sample_mask = np.asarray(sample, dtype=bool)
+        seg_lens = np.asarray(seg, dtype=np.int64)
+        common: dict[str, Any] = {
+            "consumes": consumes,
+            "tag": [r for r, _, s in rows if s],
+            "ended": np.asarray(self._ended, dtype=np.int64),
+            "delayed": self._delayed(rows, sample_mask),
+            "params": self._admitted(rows),
+        }
+        arrays = (
+            np.concatenate(tokens),
+            seg_lens,
+            np.asarray(prefix, dtype=np.int64),
+            np.asarray(rids, dtype=np.int64),
+        )
+        if not self.speculative:
+            return Batch(*arrays, sample_mask, **common), None, sample_mask
+        # A decode verifies the drafts of its last step: every token of its segment but the first.
+        decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
+        verify = np.where(decode, seg_lens - 1, 0)
+        drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
+        n_draft = np.where(sample_mask, drafts, 0)
+        return (
+            DraftBatch(*arrays, sample_mask, **common, n_verify=verify, n_draft=n_draft),
+            verify,
+            sample_mask,
+        )
+
+    def _drafts(self, r: _Req) -> int:
+        """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
+        which the host advances only over tokens it has seen) or one that opted out
+        (``RequestSpec.drafts``)."""
+        return 0 if r.matcher is not None or not r.spec.drafts else self.speculative
 
     def _delayed(self, rows: list[tuple[_Req, int, bool]], sample: np.ndarray) -> bool | np.ndarray:
         """``Batch.delayed``: False without a sampling grammar request; with ``delay="rows"`` a
@@ -317,8 +384,9 @@ class ContinuousBatcher:
         waits = int(np.count_nonzero(grammar & sample))
         if not waits:
             return False
-        if self.delay == "batch" or waits == int(np.count_nonzero(sample)):
+        if (self.delay == "batch" and not self.speculative) or waits == int(np.count_nonzero(sample)):
             return True
+        # Speculative: only the grammar rows wait (the others carry drafts, which take no mask).
         return grammar
 
     def _admitted(self, rows: list[tuple[_Req, int, bool]]) -> dict[int, SamplingParams] | None:
@@ -345,6 +413,7 @@ class ContinuousBatcher:
             if r.finished:
                 self.extra_tokens += 1
                 continue
+            r.steps += 1
             self._take(r, tok, result.step)
 
     def _process_drafts(self, result: DraftResult) -> None:
@@ -377,17 +446,30 @@ class ContinuousBatcher:
         r.out.append(tok)
         stop = self.stop if r.spec.stop is None else r.spec.stop
         if tok in stop:
-            self._finish(r, "stop")
+            self._finish(r, "stop" if m is None else self._checked(r, m, "stop"))
         elif m is not None and m.is_terminated():
-            self._finish(r, "grammar")
+            self._finish(r, self._checked(r, m, "grammar"))
         elif len(r.out) >= r.spec.max_new:
             self._finish(r, "length")
+
+    @staticmethod
+    def _checked(r: _Req, m: Matcher, reason: str) -> str:
+        """``reason``, or ``"invalid"`` (with a warning) when the matcher says that the output it
+        accepted is not in its grammar's language after all (xgrammar #800)."""
+        why = invalid_output(m)
+        if why is None:
+            return reason
+        warnings.warn(f"request {r.spec.rid}: {why}; finish reason 'invalid'", RuntimeWarning, stacklevel=2)
+        return "invalid"
 
     def _finish(self, r: _Req, reason: str) -> None:
         """``r`` finished (``reason``: one of :data:`FINISH_REASONS`): it leaves the running set at
         the next :meth:`schedule`, which reports it in ``Batch.ended``; a token still in flight
         for it is discarded (the extra step)."""
         r.finished, r.reason = True, reason
+        if r.kept is not None:
+            self.fmap.release(r.kept)
+            r.kept = None
         self.outputs[r.spec.rid] = r.out
         self.finish_reasons[r.spec.rid] = reason
 

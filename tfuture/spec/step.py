@@ -11,7 +11,10 @@ its slots, and the ``seq_len`` field). The host reads back each request's commit
 their count. Prefill chunks, plain decodes (``k = 0``), ended requests, the KV cache and the
 runtime's staging, tracing, faults and error path are the token step's own.
 
-Not yet: penalties, grammar masks (delayed rows), ``Buckets`` and step graphs, and
+A request with a grammar makes no drafts (``n_draft = 0``): its one row waits for the mask the
+host builds from its matcher (a delayed step), while the other requests of the step verify
+theirs. Penalties: each verification row is scored with the history its token would have
+(:mod:`tfuture.spec.penalties`). Not yet: drafts for grammar requests, ``Buckets`` and step graphs, and
 tensor/pipeline parallel with drafts. Each is refused with a ``ValueError``, never run wrong.
 """
 
@@ -25,12 +28,20 @@ import torch
 from tfuture.core.batch import Batch, Model, StepResult
 from tfuture.core.future_fields import FutureFields
 from tfuture.core.future_map import FutureMap
-from tfuture.core.params import FREQUENCY, N_FLOATS, REPETITION
+from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import Sampler
 from tfuture.spec.batch import DraftBatch, DraftResult
 from tfuture.spec.drafter import DraftContext, Drafter
+from tfuture.spec.penalties import (
+    PenaltyPlan,
+    drop_observations,
+    penalise_rows,
+    plan_penalties,
+    record_committed,
+)
 from tfuture.spec.verify import RowParams, row_params, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
+from tfuture.steps.masks import mask_on_stream
 from tfuture.steps.token import TokenStep
 from tfuture.steps.token_state import TokenInputs, TokenState
 
@@ -39,35 +50,27 @@ __all__ = ["SpecTokenStep"]
 _NONE = np.empty(0, dtype=np.int64)
 
 
-class DraftInputs(NamedTuple):
-    """The token step's staged arrays, then the speculative ones (host int64, device views)."""
-
-    tokens: Any
-    seg_starts: Any
-    prefix_lens: Any
-    req_ids: Any
-    seq_lens: Any
-    sample_reqs: Any
-    late: Any
-    now: Any
-    sampler_words: Any
-    store_slots: Any
-    vrows: Any  # [R] the verification rows (token rows), request by request
-    draft_src: Any  # [R] the token row of the draft each row checks (itself at a last row)
-    is_draft: Any  # [R] 1 at rows that check a draft
-    pad_pos: Any  # [R] i * width + j
-    spec_reqs: Any  # [S] requests that verify (indices into the batch)
-    spec_slots: Any  # [S] the slot of each one's first input (its seq_len field)
-    spec_prefix: Any  # [S] the host's prefix bound of each
-    spec_tok: Any  # [T] token rows of their segments
-    spec_tok_of: Any  # [T] which of the S each row belongs to
-    n_verify: Any  # [n_sample] drafts verified per sampling request
-    sample_idx: Any  # [n_sample] the sampling requests (indices into the batch)
-    out_req: Any  # [n_out] the sampling request of each out slot
-    out_first: Any  # [n_sample] each request's first out slot (its last committed token)
-    out_draft: Any  # [D] out slots that take drafts
-    draft_at: Any  # [D] their index into the drafter's flat [n_sample * k] drafts
-    params: Any  # [3 * R] float64 bits, [R] top_k, [R] seeds: when some row samples
+#: The speculative step's staged arrays, after the token step's own (:class:`TokenInputs`):
+#: ``vrows [R]`` the verification rows (token rows), request by request; ``draft_src [R]`` the
+#: token row of the draft each row checks (itself at a last row); ``is_draft [R]`` 1 at rows
+#: that check a draft; ``pad_pos [R]`` ``i * width + j``; ``spec_reqs [S]`` the requests that
+#: verify, ``spec_slots [S]`` the slot of each one's first input (its ``seq_len`` field),
+#: ``spec_prefix [S]`` the host's prefix bound of each, ``spec_tok [T]`` their segments' token
+#: rows and ``spec_tok_of [T]`` which of the S each belongs to; per sampling request
+#: ``n_verify`` and ``sample_idx`` (its index in the batch); ``out_req [n_out]`` the sampling
+#: request of each out slot, ``out_first [n_sample]`` each one's first slot (its last committed
+#: token), ``out_draft [D]`` the slots that take drafts and ``draft_at [D]`` their index into
+#: the drafter's flat ``[n_sample * k]`` drafts; ``params`` (``[3 * R]`` float64 bits, ``[R]``
+#: top_k, ``[R]`` seeds, when a row samples), ``penalties`` (:class:`PenaltyPlan` words) and
+#: ``hist_req [n_sample]`` (history rows, with penalties).
+DRAFT_FIELDS = (
+    "vrows", "draft_src", "is_draft", "pad_pos", "spec_reqs", "spec_slots", "spec_prefix", "spec_tok",
+    "spec_tok_of", "n_verify", "sample_idx", "out_req", "out_first", "out_draft", "draft_at", "params",
+    "penalties", "hist_req",
+)  # fmt: skip
+DraftInputs = NamedTuple(  # type: ignore[misc]  # the field list is TokenInputs' plus ours
+    "DraftInputs", [(name, Any) for name in (*TokenInputs._fields, *DRAFT_FIELDS)]
+)
 
 
 class SpecState(TokenState):
@@ -77,6 +80,7 @@ class SpecState(TokenState):
     rp: RowParams | None = None
     width: int = 1
     n_verify: np.ndarray = _NONE  # [n_sample] drafts each sampling request verifies
+    pen: PenaltyPlan | None = None
     max_len: int = 0
     verified: Any = None
     new_len: torch.Tensor | None = None
@@ -104,7 +108,9 @@ class SpecTokenStep(TokenStep):
     """
 
     keeps_out = True  # drafts live only in the slots: sync mode names its last step's slots too
-    stream_ops = (*TokenStep.stream_ops, "verify", "draft", "draft_release")
+    # The ops it runs (a fault plan may name only these): the token step's sample, sample_now
+    # and replay become verify and draft; the drafter's ended rows go back in prepare.
+    stream_ops = ("prepare", "copy", "debug", "release", "forward", "verify", "draft", "store")
     state_type = SpecState
 
     def __init__(self, model: Model, drafter: Drafter, sampler: Sampler | None = None) -> None:
@@ -134,23 +140,18 @@ class SpecTokenStep(TokenStep):
         n_verify, n_draft = (
             (batch.n_verify, batch.n_draft) if isinstance(batch, DraftBatch) else (zeros, zeros)
         )
-        if np.count_nonzero(batch.delayed & batch.sample):
+        waits = np.flatnonzero(batch.delayed & batch.sample & ((n_verify > 0) | (n_draft > 0)))
+        if waits.size:
             raise ValueError(
-                "speculative steps do not take grammar masks yet: Batch.delayed must be False "
-                "(serve grammar requests without speculative=)"
+                f"request {int(batch.req_ids[waits[0]])} waits for a grammar mask and has drafts: a "
+                "request with a grammar makes no drafts (n_verify = n_draft = 0) in a speculative step"
             )
         state, inputs = self.plan_batch(batch)
         assert isinstance(state, SpecState) and self.sampler is not None
+        state.split = False  # a step with waiting rows waits whole: verification takes every row
         sreq = state.sample_reqs
         n = sreq.size
         packed = self.sampler.packed_params(batch.req_ids[sreq])
-        floats = np.ascontiguousarray(packed[:, :N_FLOATS]).view(np.float64)
-        pens = np.flatnonzero(np.any(floats[:, FREQUENCY : REPETITION + 1] != _NO_PENALTY, axis=1))
-        if pens.size:
-            raise ValueError(
-                f"request {int(batch.req_ids[sreq[pens[0]]])} asks for penalties, which speculative "
-                "decoding does not support yet (give it no frequency, presence or repetition penalty)"
-            )
         v, kd = n_verify[sreq], n_draft[sreq]
         if int(kd.max(initial=0)) > self.k:
             raise ValueError(
@@ -163,16 +164,22 @@ class SpecTokenStep(TokenStep):
         is_draft = (j < v[owner]).astype(np.int64)
         draft_src = vrows + is_draft
         rp = row_params(packed[owner]) if n else None
+        hist_req = self.sampler.history_rows_of(batch.req_ids[sreq])
+        pen = plan_penalties(packed[owner], hist_req[owner], (ends - 1 - v)[owner], j) if n else None
         spec = np.flatnonzero(n_verify)
         starts = np.cumsum(batch.seg_lens) - batch.seg_lens
         spec_tok, spec_of = _ranges(starts[spec], batch.seg_lens[spec])
+        if pen is not None:
+            # Only committed tokens enter the history: the drafts a step verifies are not inputs.
+            state.splan = drop_observations(state.splan, spec_tok[spec_tok != starts[spec][spec_of]])
+            inputs = inputs._replace(sampler_words=state.splan.words)
         n_out = int((1 + kd).sum())
         first = np.cumsum(1 + kd) - 1 - kd
         draft_slot, draft_of = _ranges(first + 1, kd)
         params = _NONE
         if rp is not None and rp.sampled:
             params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
-        staged = DraftInputs(
+        staged = DraftInputs(  # type: ignore[call-arg]
             *inputs,
             vrows,
             draft_src,
@@ -190,10 +197,12 @@ class SpecTokenStep(TokenStep):
             draft_slot,
             draft_of * self.k + (draft_slot - first[draft_of] - 1),
             params,
+            _NONE if pen is None else pen.words,
+            _NONE if pen is None else hist_req,
         )
-        state.rp, state.width, state.n_verify = rp, width, v
+        state.rp, state.width, state.n_verify, state.pen = rp, width, v, pen
         state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
-        return StepPlan(n_out, staged, state, False)
+        return StepPlan(n_out, staged, state, bool(state.late.size))
 
     # -- forward stream ----------------------------------------------------------------------
 
@@ -212,16 +221,14 @@ class SpecTokenStep(TokenStep):
             seq_lens = fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
             fwd = fwd._replace(positions=positions, seq_lens=seq_lens)
         state.fwd = fwd._replace(sample_rows=inputs.vrows)
+        if state.ended.size:
+            # Before observe: a request admitted in this step may take an ended request's row.
+            self.drafter.release(state.ended)
         self.drafter.observe(state.fwd)
 
-    def forward_ops(self, rec: InFlight) -> list[Op]:
-        ops = super().forward_ops(rec)
-        ended = rec.state.ended
-        if ended.size:
-            ops.insert(0, ("draft_release", lambda: self.drafter.release(ended)))
-        return ops
-
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
+        if mask is not None:
+            self.take_mask(rec, mask)
         return [
             ("verify", lambda: self._verify(rec)),
             ("draft", lambda: self._draft(rec)),
@@ -230,7 +237,7 @@ class SpecTokenStep(TokenStep):
 
     def _verify(self, rec: InFlight) -> None:
         state: SpecState = rec.state
-        inputs: DraftInputs = rec.state.inputs
+        inputs: Any = rec.state.inputs
         fwd, n = state.fwd, state.n_sample
         assert fwd is not None
         logits = state.logits
@@ -251,17 +258,41 @@ class SpecTokenStep(TokenStep):
             words = inputs.params
             floats = words[: 3 * rows].view(torch.float64).view(3, rows)
             dev_params = (floats, words[3 * rows : 4 * rows], words[4 * rows :])
+        if state.mask is not None:
+            logits = self._masked(rec, logits)
+        sampler = self.sampler
+        if state.pen is not None:
+            assert sampler is not None
+            sampler.vocab = sampler.vocab or int(logits.shape[1])
+            sampler.history.ensure(sampler.vocab, logits.device)
+            logits = penalise_rows(logits, sampler.history, state.pen, inputs.penalties, fwd.input_ids)
         drafts = fwd.input_ids.index_select(0, inputs.draft_src).to(torch.int64)
         positions = fwd.positions.index_select(0, inputs.vrows) + 1
         state.verified = v = verify_rows(
             logits, drafts, inputs.is_draft.bool(), inputs.pad_pos, n, state.width, rp, dev_params, positions
         )
+        if state.pen is not None:
+            assert sampler is not None
+            record_committed(sampler.history, inputs.hist_req, v.committed, v.n_commit)
         real = fwd.seq_lens.index_select(0, inputs.sample_idx)
         state.new_len = real - inputs.n_verify + v.n_commit
 
+    def _masked(self, rec: InFlight, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with the grammar mask applied to the waiting requests' rows (each has one
+        verification row: it makes no drafts), on a copy."""
+        state: SpecState = rec.state
+        assert self.fmap is not None
+        mask = mask_on_stream(state, rec.step, self.fmap.device)
+        vocab = int(logits.shape[1])
+        allowed = mask if mask.dtype == torch.bool else unpack_bitmask(mask, vocab)
+        # A waiting request verifies nothing, so its one row is its last: the row of its request.
+        ends = torch.cumsum(1 + state.inputs.n_verify, 0) - 1
+        rows = ends.index_select(0, torch.tensor(state.mask_rows, device=ends.device))
+        return logits.index_put((rows,), logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
+
     def _draft(self, rec: InFlight) -> None:
         state: SpecState = rec.state
-        inputs: DraftInputs = rec.state.inputs
+        inputs: Any = rec.state.inputs
         v = state.verified
         if v is None:
             return
@@ -290,7 +321,7 @@ class SpecTokenStep(TokenStep):
         if state.verified is None:
             return
         assert self.fmap is not None and self.fields is not None and state.new_len is not None
-        inputs: DraftInputs = rec.state.inputs
+        inputs: Any = rec.state.inputs
         assert state.store_tokens is not None
         self.fmap.launch_store(rec.out, state.store_tokens)
         self.fields.store(rec.out, {"seq_len": state.new_len.index_select(0, inputs.out_req)})
@@ -339,6 +370,3 @@ class SpecTokenStep(TokenStep):
     def close(self) -> None:
         super().close()
         self.drafter.close()
-
-
-_NO_PENALTY = np.array([0.0, 0.0, 1.0])  # frequency, presence, repetition: off

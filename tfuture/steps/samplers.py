@@ -76,16 +76,18 @@ class SamplerPath(SamplePath):
     splits_rows = True
     records = True
 
-    def __init__(self, sampler: Sampler) -> None:
+    def __init__(self, sampler: Sampler, model_vocab: int | None = None) -> None:
         self.sampler = sampler
+        self.model_vocab = model_vocab  # the model's own word, until the sampler knows its vocab
 
     @property
     def vocab(self) -> int | None:
         return self.sampler.vocab
 
     def plan(self, owner: object, batch: Batch, sample_reqs: np.ndarray) -> SamplerPlan:
-        self.sampler.claim(owner)
-        return self.sampler.plan_step(
+        sampler = self.sampler
+        sampler.claim(owner)
+        plan = sampler.plan_step(
             batch.params,
             batch.req_ids,
             batch.seg_lens,
@@ -94,6 +96,9 @@ class SamplerPath(SamplePath):
             batch.ended,
             batch.step,
         )
+        if plan.sizes[3]:  # a request with penalties marks its inputs: refuse an id past the vocab
+            sampler.check_inputs(plan, batch.tokens, batch.req_ids, batch.seg_lens, self.model_vocab)
+        return plan
 
     def prepare(self, plan: SamplerPlan, words: torch.Tensor, input_ids: torch.Tensor) -> Any:
         state = self.sampler.prepare(plan, words)
@@ -161,4 +166,13 @@ def sample_path(model: Any, sampler: Sampler | None) -> SamplePath:
     sample = getattr(model, "sample", None)
     if sampler is None and callable(sample):
         return ModelSamplePath(sample)
-    return SamplerPath(sampler if sampler is not None else Sampler())
+    return SamplerPath(sampler if sampler is not None else Sampler(), _declared_vocab(model))
+
+
+def _declared_vocab(model: Any) -> int | None:
+    """The model's ``vocab`` (or ``vocab_size``) int attribute, if it has one."""
+    for name in ("vocab", "vocab_size"):
+        v = getattr(model, name, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None

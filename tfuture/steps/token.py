@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tfuture.core.batch import NOTHING_WAITS, Batch, ForwardBatch, HostMeta, Model, StepResult
+from tfuture.core.batch import NOTHING_WAITS, Batch, ForwardBatch, HostMeta, Model, StepResult, check_delayed
 from tfuture.core.checks import count_nonzero
 from tfuture.core.future_map import FutureMap
 from tfuture.kernels.resolve import PreparedInputs
@@ -28,6 +28,7 @@ from tfuture.steps.token_state import _ARANGE, _NO_ROWS, Buckets, TokenInputs, T
 __all__ = ["Buckets", "TokenInputs", "TokenState", "TokenStep"]
 
 _MAX = np.maximum.reduce  # without ndarray.max()'s Python wrapper
+_BOOL = np.dtype(np.bool_)
 _ARANGE_N = _ARANGE.size  # a shorter arange is a view of the cached one (no call)
 
 
@@ -132,6 +133,12 @@ class TokenStep(StepKind):
             1 if decode and n_reqs else 0 if not n_reqs else int(_MAX(seg_lens)),
         )
         delayed = batch.delayed
+        if type(delayed) is not np.ndarray or (
+            delayed.base is not NOTHING_WAITS and (delayed.dtype != _BOOL or delayed.shape != sample.shape)
+        ):
+            # Assigned after construction (``batch.delayed = True``): taken as the constructor
+            # takes it, or refused naming Batch.delayed. One type test on the usual path.
+            delayed = batch.delayed = check_delayed(delayed, n_reqs)
         if delayed.base is NOTHING_WAITS or not count_nonzero(delayed):  # nothing waits: the usual case
             late, now, mask_rows = _NO_ROWS, sample_reqs if every else _arange(sample_reqs.size), _NO_ROWS
         else:

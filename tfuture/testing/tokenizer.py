@@ -29,7 +29,7 @@ def train_bpe(corpus: Iterable[str], merges: int = DEFAULT_MERGES) -> Tokenizer:
     """The byte-level BPE with ``256 + merges`` tokens and :data:`END_TOKEN` (``257 + merges``
     ids), trained on the strings of ``corpus`` (e.g. a text file's lines).
 
-    Raises ``ImportError`` without the ``tokenizers`` package (``pip install tfuture[grammar]``),
+    Raises ``ImportError`` without the ``tokenizers`` package (``pip install -e '.[grammar]'``),
     ``ValueError`` for a bad ``merges`` or when the corpus holds fewer distinct merges than asked
     for.
     """
@@ -41,7 +41,8 @@ def train_bpe(corpus: Iterable[str], merges: int = DEFAULT_MERGES) -> Tokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "tfuture.testing.tokenizer needs the tokenizers package: pip install tfuture[grammar]"
+            "tfuture.testing.tokenizer needs the tokenizers package: from a clone of tfuture, "
+            "pip install -e '.[grammar]'"
         ) from exc
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
