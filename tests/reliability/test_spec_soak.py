@@ -1,6 +1,6 @@
 """A small soak of speculative decoding with the real drafters on a tiny Hugging Face Llama:
 six seeded episodes of a few dozen steps each (about 300 in all), with random arrivals, chunked
-prefill, stop tokens inside accepted runs, aborts (while waiting, in prefill, mid-decode) and
+prefill, penalties, stop tokens inside accepted runs, aborts (while waiting, in prefill, mid-decode) and
 random stream and host delays, through :class:`tfuture.spec.SpecTokenStep` and a
 :class:`tfuture.scheduler.ServingScheduler`. Every greedy request's output is checked against
 plain greedy decoding, every seeded sampled request's against a sync speculative run without
@@ -9,12 +9,11 @@ stops, aborts or delays: equal, or for an aborted request a prefix; no slot or t
 The main soak (``soak.py``) runs the toy ``SpecStep``; the tiny Llama is too slow for its
 thousands of steps, hence this separate one.
 
-Two known bugs are kept out of the way (the strict xfails in ``tests/spec/`` pin them): the
-drafter gets twice the scheduler's ``max_running`` rows (a drafter row is released only after
-the step that admits the next request has taken its rows, so with exactly ``max_running`` rows
-an admission right after a finish fails the run), and the token budget fits every running
-request's prompt chunk or decode at once (a speculative decode skipped for budget loses its
-drafts' slots, and the next step that names them fails).
+The drafter has exactly ``max_running`` rows and the token budget is drawn small enough that
+decodes wait for it: both failed before main's ab265e4 (a drafter row freed after the step that
+admits the next request took its rows; a waiting decode's drafts' slots released under it).
+The map is large: a map of one step's slots deadlocks (a strict xfail in
+``tests/spec/test_spec_faults.py``).
 """
 
 from __future__ import annotations
@@ -91,6 +90,8 @@ def make_episode(seed: int) -> Episode:
             params = SamplingParams(temperature=0.7, top_k=1, seed=rid)
         elif draw < 0.35:  # sampled, seeded: rejection sampling
             params = SamplingParams(temperature=0.9, top_p=0.9, seed=1000 * seed + rid)
+        elif draw < 0.5:  # greedy with penalties: each verification row sees its own history
+            params = SamplingParams(temperature=0, presence_penalty=0.6, repetition_penalty=1.3)
         specs.append(
             RequestSpec(
                 rid, int(rng.integers(0, 3 * n)), prompt(rng), int(rng.integers(1, 25)), params=params
@@ -102,7 +103,7 @@ def make_episode(seed: int) -> Episode:
     plan_kw: dict[str, Any] = {"seed": seed}
     if rng.random() < 0.5:
         plan_kw["max_delay_s"] = float(rng.uniform(2e-4, 2e-3))
-        ops = rng.choice([*SPEC_POINTS, "draft_release"], int(rng.integers(1, 4)), replace=False)
+        ops = rng.choice([*SPEC_POINTS, "release"], int(rng.integers(1, 4)), replace=False)
         plan_kw["delay_ops"] = tuple(str(op) for op in ops)
     if rng.random() < 0.3:
         plan_kw["host_delay_s"] = float(rng.uniform(2e-4, 2e-3))
@@ -114,21 +115,22 @@ def make_episode(seed: int) -> Episode:
         k=k,
         max_running=max_running,
         chunk=chunk,
-        # Every running request's chunk or decode fits (see the module docstring).
-        token_budget=max_running * max(chunk, k + 1) + int(rng.integers(0, 17)),
+        # Often too small for every running request's chunk or decode: some wait a step.
+        token_budget=int(rng.integers(max(chunk, k + 1), 49)),
         overlap=seed % 4 != 1,
         plan_kw=plan_kw,
     )
 
 
 def plain_greedy(models: dict[str, Any], specs: list[RequestSpec]) -> dict[int, list[int]]:
-    """Every request's plain greedy tokens to its length limit, no stop: one sync run, all at once."""
+    """Every greedy request's plain decoding to its length limit (its penalties, no stop): one
+    sync run, all at once."""
     n = len(specs)
     fmap = FutureMap(8 * n + 8)
-    free = [RequestSpec(s.rid, 0, s.prompt, s.max_new) for s in specs]
+    free = [RequestSpec(s.rid, 0, s.prompt, s.max_new, params=s.params) for s in specs if not sampled(s)]
     sched = ServingScheduler(fmap, free, max_running=n, chunk=64, token_budget=1024)
     hf = HFCausalLM(models["target"], max_requests=n, max_len=MAX_LEN)
-    OverlapRuntime(hf, fmap, overlap=False, trace=False, sampler=Sampler()).run(sched)
+    OverlapRuntime(hf, fmap, overlap=False, trace=False, sampler=Sampler(history_rows=n)).run(sched)
     assert fmap.in_use == 0
     return {rid: c.token_ids for rid, c in sched.completions.items()}
 
@@ -183,10 +185,14 @@ def run_spec(
         speculative=ep.k,
     )
     drafter = make_drafter(ep, models)
-    drafter.bind(2 * ep.max_running, MAX_LEN, torch.device("cpu"))  # see the module docstring
+    drafter.bind(ep.max_running, MAX_LEN, torch.device("cpu"))
     hf = HFCausalLM(models["target"], max_requests=ep.max_running, max_len=MAX_LEN)
     runtime = OverlapRuntime(
-        SpecTokenStep(hf, drafter, Sampler()), fmap, overlap=overlap, faults=plan, trace=False
+        SpecTokenStep(hf, drafter, Sampler(history_rows=ep.max_running)),
+        fmap,
+        overlap=overlap,
+        faults=plan,
+        trace=False,
     )
     stats = runtime.run(sched)
     assert fmap.in_use == 0, f"episode {ep.seed}: {fmap.in_use} slot(s) left"
@@ -248,4 +254,6 @@ def test_the_episodes_cover_every_drafter_mode_and_request_kind() -> None:
     assert any(ep.aborts for ep in eps) and any("max_delay_s" in ep.plan_kw for ep in eps)
     specs = [s for ep in eps for s in ep.specs]
     assert any(sampled(s) for s in specs) and any(s.params is None for s in specs)
+    assert any(s.params is not None and s.params.has_penalties for s in specs)
+    assert any(ep.token_budget < ep.max_running * (ep.k + 1) for ep in eps), "no decode waits for budget"
     assert len({s.arrival for s in specs}) > 1 and max(s.prompt.size for s in specs) > 16

@@ -6,7 +6,6 @@ sampling. Every greedy output is checked against plain decoding on an engine wit
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 from collections import defaultdict
@@ -223,44 +222,55 @@ def plain_eos(model: Any, prompts: list[list[int]], params: Any, eos: int) -> Ge
 
 
 # ----------------------------------------------------------------------------- refusals
-def test_penalties_are_refused_at_submission_naming_the_request(model: Any) -> None:
+def test_penalties_on_a_speculative_engine_equal_plain(model: Any, looped: list[list[int]]) -> None:
+    params = [
+        greedy(12, presence_penalty=0.8),
+        greedy(12, frequency_penalty=0.5, repetition_penalty=1.3),
+        greedy(12, repetition_penalty=1.5),
+    ]
+    want = plain(model, looped, params)
+    assert tokens(want) != tokens(plain(model, looped, greedy(12))), "the penalties change nothing here"
     with make_engine(model, NGramDrafter(k=K)) as eng:
-        bad = [greedy(4), greedy(4, presence_penalty=0.5)]
-        with pytest.raises(ValueError, match="request 1 of this call asks for penalties"):
-            eng.generate([[5, 6, 7], [8, 9, 10]], bad)
-        with pytest.raises(ValueError, match="request 0 of this call asks for penalties"):
-            eng.submit([5, 6, 7], greedy(4, repetition_penalty=1.2))
-        with pytest.raises(ValueError, match="asks for penalties"):
-            eng.stream([[5, 6, 7]], greedy(4, frequency_penalty=0.3))
-        # Nothing was queued, not even the valid request of the refused call.
-        assert eng.scheduler.live == [] and not eng.busy and not eng.scheduler.has_work()
-        res = eng.generate([[5, 6, 7]], greedy(4))
-        assert len(res) == 1 and res[0].finish_reason == "length"
+        got = eng.generate(looped, params)
         assert eng.fmap.in_use == 0
-    assert tokens(res) == tokens(plain(model, [[5, 6, 7]], greedy(4)))
+    assert tokens(got) == tokens(want)
 
 
-def test_a_grammar_request_is_refused_at_submission(model: Any) -> None:
+def test_a_grammar_request_on_a_speculative_engine_equals_plain(model: Any, looped: list[list[int]]) -> None:
+    grammar = ToyGrammar(VOCAB, seed=1)
+    params = [greedy(10), greedy(10, grammar=grammar), greedy(10)]
+    want = plain(model, looped, params)
     with make_engine(model, NGramDrafter(k=K)) as eng:
-        with pytest.raises(ValueError, match="request 1 of this call asks for structured output"):
-            eng.generate([[5, 6], [7, 8]], [greedy(4), greedy(4, grammar=ToyGrammar(VOCAB, seed=1))])
-        assert eng.scheduler.live == [] and not eng.busy
-        assert eng.generate([[5, 6]], greedy(3))[0].finish_reason == "length"
+        got = eng.generate(looped, params)
+        assert eng.fmap.in_use == 0
+    assert tokens(got) == tokens(want)
+    assert grammar.accepts(got[1].token_ids)
 
 
-def test_a_json_schema_request_is_refused_at_submission() -> None:
+def test_a_json_schema_request_on_a_speculative_engine_equals_plain() -> None:
     pytest.importorskip("xgrammar")
     pytest.importorskip("tokenizers")
     from tiny_bpe import tiny_tokenizer
 
     tok = tiny_tokenizer()
     small = build_llama(vocab=tok.get_vocab_size(), hidden=32, layers=1, seed=2)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [greedy(12, json_schema=schema), greedy(6)]
+    with make_engine(small, tokenizer=tok) as eng:
+        want = eng.generate(["hello", "world"], params)
     with make_engine(small, NGramDrafter(k=2), tokenizer=tok) as eng:
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-        with pytest.raises(ValueError, match="request 0 of this call asks for structured output"):
-            eng.generate(["hello"], greedy(4, json_schema=schema))
-        assert eng.scheduler.live == [] and not eng.busy
-        assert eng.generate(["hello"], greedy(3))[0].finish_reason == "length"
+        got = eng.generate(["hello", "world"], params)
+        assert eng.fmap.in_use == 0
+    assert tokens(got) == tokens(want)
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+
+
+def test_a_request_may_opt_out_of_drafts(model: Any, looped: list[list[int]]) -> None:
+    params = [greedy(12, speculative=False), greedy(12), greedy(12, speculative=False)]
+    with make_engine(model, NGramDrafter(k=K)) as eng:
+        got = eng.generate(looped, params)
+    assert tokens(got) == tokens(plain(model, looped, greedy(12)))
+    assert got[0].timings.drafted == got[2].timings.drafted == 0 < got[1].timings.drafted
 
 
 def test_a_drafter_that_is_not_one_is_refused(model: Any) -> None:
@@ -351,18 +361,12 @@ def wait_idle(eng: Engine) -> None:
         assert eng._cond.wait_for(lambda: eng._driver is None, timeout=30)
 
 
-ROW_REUSE = (
-    "drafter rows are released too late: SpecTokenStep runs drafter.observe (which takes a row for "
-    "every request of the step) in prepare, but releases the ended requests' drafter rows "
-    "(draft_release) only in the forward ops after it, so a request admitted in the step that "
-    "reports another one ended finds every drafter row held"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=ROW_REUSE)
+# ------------------------------------------------------- rows, budget (regressions)
+# Each of these failed before main's ab265e4 (found by this file's first, xfail version).
 @pytest.mark.parametrize("drafter", ["ngram", "twin"])
 def test_more_requests_than_running_rows(model: Any, drafter: str) -> None:
-    # 3 requests, 2 rows: the third is admitted when the first ends (the row bug above).
+    # 3 requests, 2 rows: the third is admitted in the step that reports the first ended, so the
+    # drafter must free that one's row before it takes one for the newcomer.
     prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
     want = tokens(plain(model, prompts, greedy(4)))
     d = NGramDrafter(k=2) if drafter == "ngram" else ModelDrafter(copy.deepcopy(model), k=2)
@@ -370,7 +374,6 @@ def test_more_requests_than_running_rows(model: Any, drafter: str) -> None:
     assert tokens(got) == want
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=ROW_REUSE)
 def test_new_requests_in_the_step_that_ends_aborted_ones(model: Any, looped: list[list[int]]) -> None:
     # Every row is live; on_tokens aborts them all and submits as many new requests: the step
     # that reports the aborted ones ended admits the new ones.
@@ -387,20 +390,11 @@ def test_new_requests_in_the_step_that_ends_aborted_ones(model: Any, looped: lis
 
     with make_engine(model, NGramDrafter(k=K), max_running=len(looped)) as eng:
         res = eng.generate(looped, greedy(12), on_tokens=on_tokens)
+        assert eng.fmap.in_use == 0
     assert [r.finish_reason for r in res][: len(looped)] == ["abort"] * len(looped)
     assert tokens(res)[len(looped) :] == want
 
 
-SKIPPED_DECODE = (
-    "a speculative decode that does not fit a step's token budget (its 1 + k tokens) is skipped, "
-    "but its drafts live only in the previous step's out slots, which the runtime releases once "
-    "the next step launched (OverlapRuntime keeps a keeps_out kind's out one step only): when the "
-    "request is scheduled again, FutureIndices.filter raises 'expected a live FutureIndices, got a "
-    "released one'"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=SKIPPED_DECODE)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_a_decode_skipped_for_token_budget_keeps_its_drafts(model: Any, overlap: bool) -> None:
     # Two decodes of 1 + 4 tokens and a budget of 9: one of them waits a step, every step.
@@ -412,46 +406,16 @@ def test_a_decode_skipped_for_token_budget_keeps_its_drafts(model: Any, overlap:
     assert tokens(got) == want
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=SKIPPED_DECODE)
 def test_a_decode_behind_a_prefill_chunk_keeps_its_drafts(model: Any) -> None:
     # The long prompt's chunks (8 of a budget of 10) come first: the short request's decode waits.
     prompts = [list(range(3, 43)), [5, 6, 7]]
     want = tokens(plain(model, prompts, greedy(6)))
-    got = tfuture.generate(model, prompts, greedy(6), speculative=NGramDrafter(k=4), chunk=8, token_budget=10)
+    with make_engine(model, NGramDrafter(k=4), chunk=8, token_budget=10) as eng:
+        got = eng.generate(prompts, greedy(6))
+        assert eng.fmap.in_use == 0
     assert tokens(got) == want
 
 
-LEAK = (
-    "when ContinuousBatcher._build raises on the released handle (the bug above), the handles it "
-    "filtered from other steps' outs before that one belong to no batch yet, so nothing releases "
-    "them: the engine's map keeps 5 slots in use after the failed run (once the bug above is "
-    "fixed this path is not reached: drop this test with it)"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=LEAK)
-def test_a_failed_speculative_schedule_leaks_no_slot(model: Any) -> None:
-    prompts = [list(range(3, 43)), [5, 6, 7]]
-    with make_engine(model, NGramDrafter(k=4), chunk=8, token_budget=10) as eng:
-        with contextlib.suppress(ValueError):  # the skipped-decode bug above
-            eng.generate(prompts, greedy(6))
-        assert eng.fmap.in_use == 0
-
-
-SMALL_BUDGET = (
-    "a token_budget below 1 + k (a speculative decode's segment) is accepted by Engine and "
-    "ContinuousBatcher, and the run then fails with 'ContinuousBatcher is stuck ... nothing fits "
-    "token_budget=4 with chunk=2', which names neither k nor the drafts"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=SMALL_BUDGET)
-def test_a_token_budget_below_one_plus_k_is_refused_or_served(model: Any) -> None:
-    want = tokens(plain(model, [[5, 6, 7, 5, 6, 7]], greedy(8)))
-    try:
-        eng = make_engine(model, NGramDrafter(k=4), token_budget=4, chunk=2)
-    except ValueError as e:  # refused when built, naming what is wrong
-        assert "token_budget" in str(e) and "k=4" in str(e)
-        return
-    with eng:  # or served (fewer drafts verified when the budget is short)
-        assert tokens(eng.generate([[5, 6, 7, 5, 6, 7]], greedy(8))) == want
+def test_a_token_budget_below_one_plus_k_is_refused(model: Any) -> None:
+    with pytest.raises(ValueError, match=r"token_budget=4 cannot hold a speculative decode of 1 \+ 4 tokens"):
+        make_engine(model, NGramDrafter(k=4), token_budget=4, chunk=2)
