@@ -1,8 +1,10 @@
 """Speculative decoding through the front door (``Engine(model, speculative=drafter)``,
 ``tfuture.generate(..., speculative=)``) on a tiny Hugging Face Llama: streamed runs of accepted
 tokens, aborts (from a callback and from another thread), requests added mid-run, stops and
-length limits inside an accepted run, refusals at submission, sync against overlap, seeded
-sampling. Every greedy output is checked against plain decoding on an engine without drafter."""
+length limits inside an accepted run, penalties and structured output served, refusals of bad
+drafters and budgets, sync against overlap, seeded sampling, failure recovery, and regressions
+for drafter rows and waiting decodes. Every greedy output is checked against plain decoding on an
+engine without drafter."""
 
 from __future__ import annotations
 
@@ -221,7 +223,7 @@ def plain_eos(model: Any, prompts: list[list[int]], params: Any, eos: int) -> Ge
         return eng.generate(prompts, params)
 
 
-# ----------------------------------------------------------------------------- refusals
+# -------------------------------------------------- penalties, structured output, refusals
 def test_penalties_on_a_speculative_engine_equal_plain(model: Any, looped: list[list[int]]) -> None:
     params = [
         greedy(12, presence_penalty=0.8),
@@ -350,7 +352,7 @@ def test_a_failed_run_leaves_the_speculative_engine_usable(model: Any, looped: l
         stream = eng.stream(looped, greedy(12))
         next(stream)
         stream.close()
-        wait_idle(eng)  # (new requests at once: see the row bug below)
+        wait_idle(eng)  # new requests at once: test_new_requests_in_the_step_that_ends_aborted_ones
         assert tokens(eng.generate(looped, greedy(12))) == want
         eng.close(timeout=30)
         assert eng.fmap.in_use == 0 and not eng.busy
