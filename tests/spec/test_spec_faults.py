@@ -243,22 +243,17 @@ def test_a_speculative_run_waits_for_slots_on_a_small_map(
     assert sched.outputs == together
 
 
-DEADLOCK = (
-    "on a map of at most 4 * (1 + k) slots (here 16), admission lets every request's prefill "
-    "sample, each request then keeps its 1 + k drafts' slots (ContinuousBatcher._keep) and no "
-    "slot is left for any next step: the run fails with 'ContinuousBatcher is stuck ... 0 free "
-    "slots of 16 (16 held by handles this batcher does not own)' (they are its own kept "
-    "handles), and those kept handles stay in use after the failed run (fmap.in_use == 16; "
-    "_Req.kept is released only when its request finishes)"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=(RuntimeError, AssertionError), reason=DEADLOCK)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("capacity", [8, 16])
 def test_a_speculative_run_on_a_map_of_one_step_serves_or_leaks_nothing(
     model: Any, together: dict[int, list[int]], capacity: int, overlap: bool
 ) -> None:
-    # Plain decoding serves these on 4 slots; the run helper checks the map is empty either way.
+    # Plain decoding serves these on 4 slots; a speculative request starts holding slots only
+    # while one more can still step (back-pressure), so a map of one step's slots serves too.
     sched, _ = run(model, NGramDrafter(k=K), overlap=overlap, capacity=capacity, specs=TOGETHER)
     assert sched.outputs == together
+
+
+def test_a_map_smaller_than_two_steps_of_one_request_is_refused(model: Any) -> None:
+    with pytest.raises(ValueError, match="cannot run speculative decoding with 3 drafts"):
+        ContinuousBatcher(TOGETHER, FutureMap(7), max_running=4, speculative=3)

@@ -157,6 +157,13 @@ class ContinuousBatcher:
         self.history_rows = history_rows
         if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
             raise ValueError(f"speculative must be an int >= 0 (drafts per step), got {speculative!r}")
+        if speculative and fmap.capacity < 2 * (1 + speculative):
+            raise ValueError(
+                f"a FutureMap of {fmap.capacity} slots cannot run speculative decoding with {speculative} "
+                f"drafts: a request holds 1 + k slots between steps and its next step needs as many again "
+                f"(give the map at least {2 * (1 + speculative)}; the Engine sizes it "
+                "(4 * max_running + 8) * (1 + k))"
+            )
         if speculative and token_budget < 1 + speculative:
             raise ValueError(
                 f"token_budget={token_budget} cannot hold a speculative decode of 1 + {speculative} tokens "
@@ -208,6 +215,9 @@ class ContinuousBatcher:
             return self.schedule()
         rows: list[tuple[_Req, int, bool]] = []
         budget, slots_left = self.token_budget, self.fmap.free
+        # Speculative: requests that hold slots between steps (their drafts); each step needs as
+        # many fresh ones. A request starts holding only while one more could still step.
+        holders = sum(r.pending is not None for r in self.running) if self.speculative else 0
         for r in self.running:
             need = 1 + self._drafts(r)  # slots of a sampling request: its token, then its drafts
             if r.fed < r.spec.prompt.size:
@@ -215,6 +225,10 @@ class ContinuousBatcher:
                 samples = r.fed + n == r.spec.prompt.size
                 if n <= 0 or (samples and slots_left < need):
                     continue
+                if samples and self.speculative:
+                    if (holders + 2) * (1 + self.speculative) > self.fmap.capacity:
+                        continue  # back-pressure: it waits until a holder finishes
+                    holders += 1
             elif r.done_by_length:
                 continue
             else:
@@ -260,13 +274,28 @@ class ContinuousBatcher:
         if not left:
             return
         fmap = self.fmap
-        if fmap.free < 1:
+        kept = [r.kept for r in self.running if r.kept is not None]
+        if fmap.free < 1 + self.speculative:
+            held = sum(len(h) for h in kept)
             why = (
-                f"the FutureMap has 0 free slots of {fmap.capacity} ({fmap.in_use} held by handles this "
-                "batcher does not own); release them or give the batcher its own map"
+                f"the FutureMap has {fmap.free} free slots of {fmap.capacity} and a step needs "
+                f"{1 + self.speculative} per sampling request; "
             )
+            if held:
+                why += (
+                    f"{held} are held for waiting requests' drafts, so no step can start (the "
+                    "Engine sizes the map (4 * max_running + 8) * (1 + k))"
+                )
+            else:
+                why += (
+                    f"{fmap.in_use} are held by handles this batcher does not own; release them or give "
+                    "the batcher its own map"
+                )
         else:
             why = f"nothing fits token_budget={self.token_budget} with chunk={self.chunk}"
+        fmap.release_live(kept)  # the run ends here: the waiting requests' slots go back
+        for r in self.running:
+            r.kept = None
         raise RuntimeError(
             f"ContinuousBatcher is stuck with {left} of {self.n_requests} requests unfinished: {why}"
         )
