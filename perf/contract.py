@@ -101,6 +101,28 @@ for _b in (1, 8):
             _what = f"spec: overlap / sync tokens/s, {_w}, batch {_b}, {_d}"
             TARGETS.append((_what, ">=", 1.0, f"spec.{_w} b{_b} {_d}.overlap_over_sync"))
 
+# End to end through the front door (bench_generate): tfuture.generate against Hugging Face
+# generate, every cell (model, torch threads, batch) judged on its own.
+for _size in ("3M", "80M"):
+    for _t in (1, 2):
+        for _b in (1, 8, 32):
+            _cell = f"{_size}_t{_t}_b{_b}"
+            _about = f"{_size} Llama, {_t} thread(s), batch {_b}"
+            TARGETS += [
+                (
+                    f"generate: overlap / HF generate tokens/s, {_about}",
+                    ">=",
+                    1.0,
+                    f"generate.overlap_over_hf.{_cell}",
+                ),
+                (
+                    f"generate: overlap / sync tokens/s, {_about}",
+                    ">=",
+                    0.98,
+                    f"generate.overlap_over_sync.{_cell}",
+                ),
+            ]
+
 
 def column(folder: str, plot: str, line: str) -> np.ndarray | None:
     """Line ``line`` of ``<plot>.csv`` (perf_report names the column ``line (ylabel)``)."""
