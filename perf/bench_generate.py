@@ -196,11 +196,11 @@ def generate_report(batch: int, line: str, size: str, threads: int) -> harness.T
 
 def _look(bench: Any) -> harness.Look:
     size, threads = bench.args["size"], bench.args["threads"]
-    about = f"{size} Llama fp32, {threads} torch thread(s), greedy, {NEW[size]} new tokens each"
     return harness.Look(
-        what=f"tfuture.generate vs Hugging Face generate, tokens per second ({about}, {DEVICE})",
+        what=f"tfuture.generate vs HF generate: tokens/s, {size} Llama fp32, {threads} torch thread(s)",
         ylabel="generated tokens per second (engine construction included)",
-        xlabel=f"requests in the batch (prompts of {PROMPT[0]}-{PROMPT[1]} ids; HF: left-padded)",
+        xlabel=f"requests in the batch (greedy, {NEW[size]} new tokens each; prompts of "
+        f"{PROMPT[0]}-{PROMPT[1]} ids, left-padded for HF; {DEVICE})",
     )
 
 

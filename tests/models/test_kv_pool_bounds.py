@@ -7,10 +7,13 @@ on release; the attention mask is causal per request with each token seeing its 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tfuture.core.batch import ForwardBatch, HostMeta
 from tfuture.models.kv_pool import KVPool, StepLayout
@@ -132,3 +135,36 @@ def test_window_and_value_shape_arguments():
         KVPool(3, 1, 8, 2, 6, dtype=torch.float32, device=cpu, windows=[2, 2])
     with pytest.raises(ValueError, match=r"a layer's window must be None or an int >= 1, got 0"):
         KVPool(1, 1, 8, 2, 6, dtype=torch.float32, device=cpu, windows=[0])
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops run under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_attends_without_padding_and_writes_the_cache_with_one_index():
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 3, 1], [4, 5, 6]))
+    decode = step([2, 3, 1], [1, 1, 1], [4, 5, 6])
+    layout = StepLayout.build(kv, decode)
+    assert layout.dense and not StepLayout.build(kv, step([2, 1], [1, 2], [4, 6])).dense
+    k = torch.full((1, HEADS, 3, HEAD_DIM), 9.0)
+    with _CountOps() as counted:
+        out = layout.attend(0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn)
+    # Packed rows are the padded rows: no zero-filled buffer, no scatter into it, no gather out.
+    assert "new_zeros" not in counted.ops and counted.ops.count("index_select") == 2
+    assert "index_put_" not in counted.ops and counted.ops.count("index_copy_") == 2
+    # The padded path on the same step (rewriting the same keys) gives the same output.
+    general = dataclasses.replace(layout, dense=False).attend(
+        0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn
+    )
+    assert torch.equal(out, general)
+    for pos, rid in ((2, 4), (3, 5), (1, 6)):
+        assert torch.equal(kv.k[0, kv.rows[rid], pos], torch.full((HEADS, HEAD_DIM), 9.0))

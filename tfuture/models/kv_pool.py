@@ -144,7 +144,11 @@ class StepLayout:
     ``<= prefix[q] + i`` (padding rows see what the request's last token sees, so no softmax
     is empty); ``windowed[w]`` the same within window ``w`` (one per window of the pool's
     layers). Bool masks, or additive ones (0 or the dtype's minimum) when built with
-    ``additive=dtype`` (eager attention adds its mask to the scores).
+    ``additive=dtype`` (eager attention adds its mask to the scores). ``tok_flat [n_tok]``:
+    ``tok_rows * max_len + tok_pos``, the token's place in a layer's cache flattened over rows
+    and positions (one index for the cache write). ``dense``: every request runs ``width``
+    tokens (decode steps), so the padded rows are the packed ones in order and the attention
+    needs no scatter into padding nor gather out of it.
     """
 
     pool: KVPool
@@ -157,6 +161,8 @@ class StepLayout:
     pad_idx: torch.Tensor
     mask: torch.Tensor
     windowed: dict[int, torch.Tensor]
+    tok_flat: torch.Tensor
+    dense: bool
 
     @staticmethod
     def build(pool: KVPool, batch: ForwardBatch, *, additive: torch.dtype | None = None) -> StepLayout:
@@ -187,17 +193,20 @@ class StepLayout:
         keys = torch.arange(kv_len, device=dev)
         causal = keys <= last_key
         windowed = {w: causal & (keys > last_key - w) for w in set(pool.windows) if w is not None}
+        tok_rows, tok_pos = req_rows.index_select(0, tok_req), batch.positions[:n_tok]
         return StepLayout(
             pool,
             n_reqs,
             width,
             kv_len,
             req_rows,
-            req_rows.index_select(0, tok_req),
-            batch.positions[:n_tok],
+            tok_rows,
+            tok_pos,
             tok_req * width + offset,
             _as_mask(causal, additive),
             {w: _as_mask(m, additive) for w, m in windowed.items()},
+            tok_rows * pool.max_len + tok_pos,
+            n_tok == n_reqs * width,
         )
 
     def attend(
@@ -208,20 +217,26 @@ class StepLayout:
         within the layer's window; returns ``[1, n_tok, heads, v_head_dim]``.
         """
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        kc[self.tok_rows, self.tok_pos] = k[0].transpose(0, 1).to(kc.dtype)
-        vc[self.tok_rows, self.tok_pos] = v[0].transpose(0, 1).to(vc.dtype)
+        # One flat index per token (rows x positions are contiguous in a layer's cache): an
+        # index_copy_ instead of index_put_ with two index tensors.
+        kc.flatten(0, 1).index_copy_(0, self.tok_flat, k[0].transpose(0, 1).to(kc.dtype))
+        vc.flatten(0, 1).index_copy_(0, self.tok_flat, v[0].transpose(0, 1).to(vc.dtype))
         # Only the first kv_len positions of each live row: [n_reqs, kv_heads, kv_len, head_dim].
         keys = kc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
         values = vc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
         n_heads, head_dim = q.shape[1], q.shape[3]
-        padded = q.new_zeros(self.n_reqs * self.width, n_heads, head_dim)
-        padded.index_copy_(0, self.pad_idx, q[0].transpose(0, 1))
+        packed = q[0].transpose(0, 1)  # [n_tok, heads, head_dim]
+        if self.dense:  # padded row q * width + i is packed token q * width + i
+            padded = packed.contiguous()
+        else:
+            padded = q.new_zeros(self.n_reqs * self.width, n_heads, head_dim)
+            padded.index_copy_(0, self.pad_idx, packed)
         padded = padded.view(self.n_reqs, self.width, n_heads, head_dim).transpose(1, 2)
         window = self.pool.windows[layer]
         mask = self.mask if window is None else self.windowed[window]
         out = attn(padded, keys.to(q.dtype), values.to(q.dtype), mask)
-        out = out.reshape(self.n_reqs * self.width, n_heads, -1).index_select(0, self.pad_idx)
-        return out.unsqueeze(0)
+        out = out.reshape(self.n_reqs * self.width, n_heads, -1)
+        return (out if self.dense else out.index_select(0, self.pad_idx)).unsqueeze(0)
 
 
 def _as_mask(visible: torch.Tensor, additive: torch.dtype | None) -> torch.Tensor:
