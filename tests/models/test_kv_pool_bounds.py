@@ -154,17 +154,32 @@ def test_a_decode_step_attends_without_padding_and_writes_the_cache_with_one_ind
     forward(kv, step([0, 0, 0], [2, 3, 1], [4, 5, 6]))
     decode = step([2, 3, 1], [1, 1, 1], [4, 5, 6])
     layout = StepLayout.build(kv, decode)
-    assert layout.dense and not StepLayout.build(kv, step([2, 1], [1, 2], [4, 6])).dense
+    assert layout.dense
+    assert not StepLayout.build(kv, step([2, 1], [1, 2], [4, 6])).dense
     k = torch.full((1, HEADS, 3, HEAD_DIM), 9.0)
     with _CountOps() as counted:
         out = layout.attend(0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn)
     # Packed rows are the padded rows: no zero-filled buffer, no scatter into it, no gather out.
     assert "new_zeros" not in counted.ops and counted.ops.count("index_select") == 2
     assert "index_put_" not in counted.ops and counted.ops.count("index_copy_") == 2
-    # The padded path on the same step (rewriting the same keys) gives the same output.
-    general = dataclasses.replace(layout, dense=False).attend(
-        0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn
-    )
-    assert torch.equal(out, general)
+    # The general path on the same step (rewriting the same keys) gives the same output.
+    general = dataclasses.replace(layout, dense=False)
+    assert torch.equal(out, general.attend(0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn))
     for pos, rid in ((2, 4), (3, 5), (1, 6)):
         assert torch.equal(kv.k[0, kv.rows[rid], pos], torch.full((HEADS, HEAD_DIM), 9.0))
+
+
+def test_requests_out_of_row_order_attend_over_their_own_rows():
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 3, 1], [4, 5, 6]))
+    layout = StepLayout.build(kv, step([1, 2], [1, 1], [6, 4]))  # rows 2, 0
+    with _CountOps() as counted:
+        out = layout.attend(
+            0, torch.ones(1, HEADS, 2, HEAD_DIM), *[torch.full((1, HEADS, 2, HEAD_DIM), 9.0)] * 2, attn
+        )
+    assert counted.ops.count("index_select") == 2
+    # Request 6 sees keys 1 (position 0) and 9 (its new one); request 4 sees 1, 2 and 9.
+    want = [(torch.tensor([1.0, 9.0]), torch.tensor([1.0, 9.0])), (torch.tensor([1.0, 2.0, 9.0]),) * 2]
+    for q, (keys, vals) in enumerate(want):
+        expect = (torch.softmax(keys * HEAD_DIM / HEAD_DIM**0.5, 0) * vals).sum()
+        torch.testing.assert_close(out[0, q, 0], torch.full((HEAD_DIM,), float(expect)))
