@@ -21,6 +21,11 @@ the matmuls), each request is checked against its own unpadded ``model.generate`
 Ratios per cell (``overlap_over_hf``, ``sync_over_hf``, ``overlap_over_sync``) go to
 ``summary.json`` under ``generate``; the contract asks overlap >= 1.0x hf and >= 0.98x sync in
 every cell. Needs the ``hf`` extra.
+
+Read the 2-thread cells from a quiet machine: on a 2-core machine whose cores are busy, a forward
+on the calling thread with 2 intra-op threads (``hf``) stalls in OpenMP waits (a batch-32 run of the
+80M model took several times its 1-thread time there), while tfuture's forward runs on its CPU
+worker thread; those cells then measure the machine's load, not the code.
 """
 
 from __future__ import annotations
