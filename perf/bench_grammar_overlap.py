@@ -92,7 +92,7 @@ def step_ms(share: int, overlap: bool, delay: str) -> float:
         delay=delay,
     )
     runtime = OverlapRuntime(
-        ToyModel(vocab=VOCAB, work_s=T_DEV_MS / 1e3), fmap, overlap=overlap, sampler=Sampler()
+        ToyModel(vocab=VOCAB, work_s=T_DEV_MS / 1e3), fmap, overlap=overlap, sampler=Sampler(), trace=True
     )
     stats = runtime.run(sched, max_steps=STEPS)
     starts = np.sort([s.start for s in stats.host_spans if s.name == "launch"])[WARMUP:]

@@ -20,8 +20,8 @@ step was launched):
   hands the runtime and the ``StepResult`` that ``process`` gets (``HandLoop(batches=True)``):
   the floor of any runtime whose steps come as checked batches. ``floor / hand`` is what
   checking a batch costs; ``runtime / floor`` is the runtime's own loop.
-* ``traced_overlap_<backend>``: the judged runtime line overlapped with ``trace=True`` (the
-  runtime's default): ``summary.json`` ``trace_cost`` is its ratio to the untraced line.
+* ``traced_overlap_<backend>``: the judged runtime line overlapped with ``trace=True`` (opt-in;
+  the runtime's default is off): ``summary.json`` ``trace_cost`` is its ratio to the untraced line.
 * ``minimal_<mode>``: :class:`perf.decode.MinimalLoop`, a minimal decode loop in plain torch, no
   ``FutureMap``: a token buffer indexed by request row; per step one H2D copy of the step's
   index data (rows, positions, lengths), gather of the last tokens, forward, sample, scatter
@@ -60,7 +60,7 @@ BACKENDS = (["auto"] if HAS_CUDA else []) + ["worker", "inline"]
 JUDGED = "auto" if HAS_CUDA else "inline"  # the backend the contract reads: the host path a GPU sees
 MODES = ("sync", "overlap")
 LINES = [f"runtime_{m}_{b}" for b in BACKENDS for m in MODES]
-# The judged backend overlapped with tracing on (trace=True, the runtime's default): its cost.
+# The judged backend overlapped with tracing on (trace=True, opt-in): its cost.
 TRACED = f"traced_overlap_{JUDGED}"
 LINES += [TRACED]
 LINES += [f"{kind}_{m}" for kind in ("hand", "floor", "minimal") for m in MODES]

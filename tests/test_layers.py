@@ -87,10 +87,15 @@ LAYERS: list[set[str]] = [
     {"tfuture.core.future_map"},
     {"tfuture.core.future_fields"},
     {"tfuture.core.batch"},  # Batch, ForwardBatch, StepResult, the Model/Scheduler protocols
-    {"tfuture.spec.batch", "tfuture.spec.drafter", "tfuture.spec.ngram"},  # drafts' data, drafters
+    {
+        "tfuture.spec.batch",
+        "tfuture.spec.drafter",
+        "tfuture.spec.ngram_cpu",
+        "tfuture.spec.ngram",
+    },  # drafters
     {"tfuture.streams.*"},  # stream backends, staging rings, RunStats
     {"tfuture.sampling.*"},  # the device Sampler
-    {"tfuture.spec.verify"},  # greedy acceptance, rejection sampling
+    {"tfuture.spec.verify", "tfuture.spec.penalties"},  # acceptance, rejection sampling, penalties
     {"tfuture.steps", "tfuture.steps.masks", "tfuture.steps.samplers", "tfuture.steps.checks"},
     {"tfuture.steps.base"},  # the step-kind interface
     {"tfuture.steps.graphs"},  # a token step captured per bucket

@@ -56,7 +56,8 @@ class OverlapRuntime:
         faults: a :class:`tfuture.streams.base.RunWrapper` that wraps each run's stream and
             scheduler from outside the loop, such as :class:`tfuture.testing.faults.FaultPlan`
             (delays, gc, exceptions); its ``delay`` is used when ``delay`` is not given.
-        trace: record per-op spans for bubble accounting and the Chrome trace.
+        trace: record per-op spans for bubble accounting (``RunStats.device_idle``) and the
+            Chrome trace; off by default (it costs host time on every step).
         n_staging: host staging buffers per direction (at least 3: two steps in flight); a CPU
             map stages none: a step's inputs and its results each get a fresh array.
         buckets: pad every token step to these shapes (:class:`tfuture.steps.token.Buckets`),
@@ -78,7 +79,7 @@ class OverlapRuntime:
         stream: str = "auto",
         delay: Delay | None = None,
         faults: RunWrapper | None = None,
-        trace: bool = True,
+        trace: bool = False,
         n_staging: int = 4,
         buckets: Buckets | None = None,
         sampler: Sampler | None = None,
@@ -122,6 +123,8 @@ class OverlapRuntime:
         self._deferred: list[FutureIndices] = []
         self._host_log = SpanLog()  # the host phases' spans (trace=True)
         self._open = False  # a cut run's per-request state is kept for the next run
+        # The stream of a run whose drain was interrupted, while its worker still runs (see _abort).
+        self._unsettled: ForwardStream | None = None
         self._empty = torch.empty(0, dtype=torch.int64, device=fmap.device)
         self._mark = 0.0  # traced: the last launch's end (the next wait's start)
         self._layouts: dict[tuple[int, ...], Layout] = {}  # staging layouts by part sizes
@@ -143,10 +146,14 @@ class OverlapRuntime:
 
         An exception anywhere (forward, sample, a scheduler hook) stops the loop: the stream is
         drained and stopped, every slot the runtime holds is released, every request's state is
-        freed, and the exception re-raises here with its original traceback.
+        freed, and the exception re-raises here with its original traceback. When the drain
+        itself is interrupted (Ctrl-C again), the step the CPU worker runs still finishes after
+        this returns: its requests' state is freed once it ended, at the start of the next
+        ``run`` (which waits for it) or at :meth:`close`.
         """
         if max_steps is not None:
             max_steps = as_count("max_steps", max_steps)
+        self._settle()
         self.fmap.claim_driver()
         user_scheduler = scheduler
         stats = RunStats(mode="overlap" if self.overlap else "sync")
@@ -187,7 +194,22 @@ class OverlapRuntime:
     def close(self) -> None:
         """Free the per-request state a run cut by ``max_steps`` kept for its continuation (the
         sampler's rows, the model's ``close()``); a run that ends otherwise does this itself."""
+        self._settle()
         self._open = False
+        self.kind.close()
+
+    def _settle(self) -> None:
+        """Before the next run (or :meth:`close`): wait until the worker of a run whose drain
+        was interrupted has finished the step it was running, then free what that step's late
+        ops wrote (sampler rows and history, the model's KV rows, the error flag). Without the
+        wait, those ops (its sample, record, store) would run into the next run's rows: the same
+        request ids would get other tokens. Interruptible: Ctrl-C here leaves it for next time."""
+        stream = self._unsettled
+        if stream is None:
+            return
+        stream.wait_worker()
+        self._unsettled = None
+        self.fmap.err.zero_()
         self.kind.close()
 
     def _loop(self, scheduler: Scheduler, max_steps: int | None, stats: RunStats) -> bool:
@@ -470,7 +492,13 @@ class OverlapRuntime:
         self._inflight = []
         self._deferred = []
         self._open = False
-        try:
-            self.kind.close()
-        except Exception:
-            pass  # the first failure is the one that re-raises
+        if self._stream is not None and self._stream.alive:
+            # An interrupted drain: the worker still runs a step, whose later ops (sample, record,
+            # store) still write per-request state. It is freed once they ended (_settle), and the
+            # sampler stays claimed meanwhile (another runtime on it is refused).
+            self._unsettled = self._stream
+        else:
+            try:
+                self.kind.close()
+            except Exception:
+                pass  # the first failure is the one that re-raises

@@ -234,7 +234,7 @@ def test_a_failed_run_raises_in_generate_finishes_requests_with_error_and_the_en
         assert res[0].token_ids == reference(model, [1, 2], res[0].rid, 4)
 
 
-def test_a_callback_error_stops_the_run_and_re_raises():
+def test_a_callback_error_re_raises_in_its_generate_and_leaks_nothing():
     def on_tokens(engine: Engine, u: TokenUpdate) -> None:
         raise KeyError("callback")
 

@@ -54,9 +54,9 @@ def run(specs, *, overlap, sampler, jitter=None, **batcher_kw):
     """``jitter``: stream delays; ``batcher_kw`` to the ContinuousBatcher."""
     fmap = FutureMap(64, device="cpu")
     sched = ContinuousBatcher(specs, fmap, eos=-1, **batcher_kw)
-    stats = OverlapRuntime(SoftToy(vocab=VOCAB), fmap, overlap=overlap, delay=jitter, sampler=sampler).run(
-        sched
-    )
+    stats = OverlapRuntime(
+        SoftToy(vocab=VOCAB), fmap, overlap=overlap, delay=jitter, sampler=sampler, trace=True
+    ).run(sched)
     assert fmap.in_use == 0
     return sched.outputs, stats
 

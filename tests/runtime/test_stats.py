@@ -29,7 +29,9 @@ def test_account_sums_busy_time_and_the_gaps_between_ops():
 
 def test_bubble_accounting_and_trace(tmp_path):
     specs = [RequestSpec(i, 0, np.array([i + 1, 2]), 6) for i in range(4)]
-    _, stats, _, _ = run_workload(ToyModel(vocab=64, work_s=1e-3), specs, overlap=True, capacity=16, eos=-1)
+    _, stats, _, _ = run_workload(
+        ToyModel(vocab=64, work_s=1e-3), specs, overlap=True, capacity=16, eos=-1, trace=True
+    )
     names = {s.name for s in stats.device_spans}
     assert {"prepare", "forward", "sample", "copy"} <= names
     assert stats.steps == 6 and stats.device_busy > 6e-3
@@ -99,7 +101,9 @@ def test_a_runs_device_totals_follow_its_spans_when_read():
     """A run hands its spans over unaccounted; the totals read afterwards are those of the spans
     (as ``account()`` makes them), and new spans are accounted again when read."""
     specs = [RequestSpec(i, 0, np.array([i + 1, 2]), 4) for i in range(3)]
-    _, stats, _, _ = run_workload(ToyModel(vocab=64, work_s=1e-3), specs, overlap=True, capacity=16, eos=-1)
+    _, stats, _, _ = run_workload(
+        ToyModel(vocab=64, work_s=1e-3), specs, overlap=True, capacity=16, eos=-1, trace=True
+    )
     busy, idle, per_step = stats.device_busy, stats.device_idle, dict(stats.idle_per_step)
     assert busy == pytest.approx(sum(s.end - s.start for s in stats.device_spans)) and busy > 4e-3
     again = RunStats("overlap", device_spans=list(stats.device_spans))

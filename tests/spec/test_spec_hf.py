@@ -62,8 +62,9 @@ def run(
     chunk: int = 8,
     eos: int = NO_STOP,
     faults: FaultPlan | None = None,
+    debug: bool = False,
 ) -> tuple[ContinuousBatcher, Any]:
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, debug=debug)
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     kind: Any = hf
     k = 0
@@ -125,11 +126,11 @@ def test_ngram_drafts_cut_model_steps_on_a_repetitive_workload(model: Any) -> No
     assert stats.steps < base_stats.steps
 
 
-def test_delays_on_every_stream_op(model: Any) -> None:
+def test_delays_on_every_stream_op_in_debug_mode(model: Any) -> None:
     specs = workload(n=3, max_new=10)
     plain, _ = run(model, specs)
     faults = FaultPlan(seed=1, max_delay_s=0.003)
-    spec, _ = run(model, specs, NGramDrafter(k=3), faults=faults)
+    spec, _ = run(model, specs, NGramDrafter(k=3), faults=faults, debug=True)
     assert spec.outputs == plain.outputs
     assert sum(faults.injected.values()) > 0
 
@@ -231,3 +232,37 @@ def test_grammar_requests_take_masks_beside_drafting_requests(model: Any, overla
         if s.grammar:
             assert grammar.accepts(spec.outputs[s.rid])
     assert spec.drafted_tokens > 0  # the free requests drafted beside the grammar ones
+
+
+def test_a_request_may_opt_out_of_drafting(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    prompts = [s.prompt.tolist() for s in workload(n=3, max_new=10)]
+    params = [
+        GenerationParams(max_tokens=10, temperature=0, ignore_eos=True, speculative=i != 1) for i in range(3)
+    ]
+    plain = tfuture.generate(model, prompts, params)
+    spec = tfuture.generate(model, prompts, params, speculative=NGramDrafter(k=3))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[1].timings.drafted == 0 and spec[0].timings.drafted > 0
+    assert spec.drafted == sum(o.timings.drafted for o in spec) and plain.drafted == 0
+    with pytest.raises(TypeError, match="speculative must be a bool"):
+        GenerationParams(speculative="yes")  # type: ignore[arg-type]
+
+
+def test_generate_gives_the_draft_model_its_state_back(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    draft = build_llama(vocab=VOCAB, hidden=32, layers=1, seed=4)
+    draft.train()
+    attn = draft.config._attn_implementation
+    out = tfuture.generate(
+        model,
+        [[1, 2, 3, 1, 2]],
+        GenerationParams(max_tokens=6, temperature=0),
+        speculative=ModelDrafter(draft, k=2),
+    )
+    assert len(out[0].token_ids) == 6 and out.drafted > 0
+    assert draft.training and draft.config._attn_implementation == attn

@@ -187,3 +187,29 @@ def test_a_verification_row_counts_the_drafts_before_it() -> None:
         one = torch.ones(1, dtype=torch.float32)
         want = apply_penalties(logits[j : j + 1], seen[None], counts[None], 1.5 * one, 0.5 * one, 0.25 * one)
         assert torch.equal(got[j], want[0]), j
+
+
+def test_ngram_numpy_twin_equals_the_torch_path() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        n, vocab = 4, int(rng.integers(2, 6))  # small vocabularies: many matches
+        tokens = rng.integers(0, vocab, size=(n, 40))
+        lens = rng.integers(1, 36, size=n)
+        n_commit = rng.integers(1, 4, size=n)
+        committed = rng.integers(0, vocab, size=(n, 3))
+        drafts = []
+        max_ngram = int(rng.integers(1, 4))
+        for path in ("numpy", "torch"):
+            d = NGramDrafter(k=3, max_ngram=max_ngram)
+            d.bind(n, 48, torch.device("cpu"))
+            assert d.history is not None
+            d.history[:, :40] = torch.from_numpy(tokens)
+            ctx = DraftContext(
+                np.arange(n),
+                torch.from_numpy(committed),
+                torch.from_numpy(n_commit),
+                torch.from_numpy(lens + 3),
+                44,
+            )
+            drafts.append(d.draft(ctx) if path == "numpy" else d._draft_torch(ctx, 44))
+        assert torch.equal(drafts[0], drafts[1]), trial

@@ -45,7 +45,7 @@ class ParallelRuntime:
         stream: str = "auto",
         delay: Delay | None = None,
         faults: RunWrapper | None = None,
-        trace: bool = True,
+        trace: bool = False,
         check: bool | None = None,
         buckets: Buckets | None = None,
         sampler: Sampler | None = None,

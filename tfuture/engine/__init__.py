@@ -9,8 +9,8 @@ from tfuture.engine.engine import (
     OnTokens,
     RequestOutput,
     TokenStream,
-    generate,
 )
+from tfuture.engine.front import generate
 
 __all__ = [
     "Engine",

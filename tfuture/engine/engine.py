@@ -1,4 +1,5 @@
-"""The front door: :class:`Engine` (submit, abort, stream, generate) and :func:`generate`.
+"""The front door: :class:`Engine` (submit, abort, stream, generate); :func:`generate` is in
+:mod:`tfuture.engine.front`.
 
 An engine owns one model, its :class:`tfuture.FutureMap`, a :class:`tfuture.sampling.Sampler`,
 an :class:`tfuture.OverlapRuntime` and a :class:`tfuture.scheduler.ServingScheduler`. Requests
@@ -12,7 +13,9 @@ there is work and ends when there is none (no thread waits idle); requests added
 goes, from any thread, join that run. When a run fails, every live request finishes with
 reason ``"error"``: :meth:`Engine.generate` re-raises the exception (driving) or raises
 :class:`EngineError` from it (waiting), a stream raises :class:`EngineError` from it, and the
-engine stays usable for new requests.
+engine stays usable for new requests. A request's callback that raises (``on_tokens``, or
+``submit(callback=)``) ends that request only, with reason ``"error"`` and the exception; the
+engine serves the other requests on (the ``generate`` call it belongs to re-raises it).
 """
 
 from __future__ import annotations
@@ -26,21 +29,19 @@ from typing import Any
 import torch
 
 from tfuture.core.future_map import FutureMap
-from tfuture.engine.detok import encode
 from tfuture.engine.inputs import (
     Prompt,
     _adapt,
+    _check_context,
+    _check_tokenizer,
     _count,
     _device,
     _eos,
-    _is_adapter,
-    _len,
     _merge,
-    _params_list,
     _progress_bar,
-    _prompt_list,
     _run_context,
     _vocab,
+    context,
 )
 from tfuture.engine.outputs import (
     EngineError,
@@ -69,12 +70,9 @@ __all__ = [
     "OnTokens",
     "RequestOutput",
     "TokenStream",
-    "generate",
 ]
 
 OnTokens = Callable[["Engine", TokenUpdate], None]
-# generate()'s default cap on requests running at once (the KV pool's rows).
-MAX_RUNNING = 32
 
 
 class Engine:
@@ -83,13 +81,18 @@ class Engine:
     Args:
         model: a ``transformers`` causal LM (wrapped in :class:`tfuture.models.HFCausalLM` with
             ``max_running`` KV rows of ``max_len`` positions), an ``HFCausalLM``, or any
-            tfuture :class:`tfuture.Model`.
-        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``: text prompts,
-            output text, and structured output (xgrammar compiles for it).
+            tfuture :class:`tfuture.Model`. A model without a language-model head (a base
+            ``LlamaModel``, a classifier) or a plain torch layer raises ``TypeError``.
+        tokenizer: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer`` object (a name
+            such as ``"gpt2"`` is refused with a ``TypeError``: nothing is downloaded; pass
+            ``AutoTokenizer.from_pretrained(name)``): text prompts, output text, and
+            structured output (xgrammar compiles for it).
         max_running: requests running at once (more wait).
-        max_len: positions per request (prompt plus ``max_tokens``), checked at submission.
-            Default for a Hugging Face model: its ``max_position_embeddings``, at most 4096;
-            for another model: unchecked.
+        max_len: positions per request (prompt plus ``max_tokens``), checked at submission
+            (a request past it raises ``ValueError``). Default for a Hugging Face model: its
+            context (``config.max_position_embeddings``, GPT-2's ``n_positions``), at most
+            4096; a ``max_len`` past the context raises ``ValueError`` (positions a model was
+            not trained for give wrong tokens). For another model: unchecked.
         overlap: False runs every step in sync (for A/B).
         eos_token_id: the model's end tokens (an id or a list), the default stop tokens of
             every request. Default: the model's ``generation_config.eos_token_id``, else its
@@ -106,8 +109,10 @@ class Engine:
             distribution exactly; penalties too). A structured-output request makes no drafts
             (its tokens follow its grammar's masks). None (the default): plain decoding.
 
-    Use it as a context manager, or call :meth:`close`: it aborts what is live and waits for
-    the background thread.
+    Use it as a context manager, or call :meth:`close`: it aborts what is live, waits for
+    the background thread, and gives a Hugging Face model it wrapped back its train/eval mode
+    and attention implementation (the model generates in eval mode meanwhile; see
+    :mod:`tfuture.engine.model_state`).
     """
 
     def __init__(
@@ -129,49 +134,65 @@ class Engine:
         trace: bool = False,
         speculative: Any = None,
     ) -> None:
+        _check_tokenizer(tokenizer)
         max_running = _count("max_running", max_running)
         if max_len is not None:
             max_len = _count("max_len", max_len)
         self.drafter = check_drafter(speculative)
         extra = margin(self.drafter)  # KV positions for drafts verified past a request's end
-        self.model, pool_len = _adapt(model, max_running, None if max_len is None else max_len + extra)
-        self.max_len = max_len if max_len is not None or pool_len is None else pool_len - extra
-        self.tokenizer = tokenizer
-        self.vocab: int | None = vocab_size if vocab_size is not None else _vocab(self.model)
-        self.eos: tuple[int, ...] = _eos(eos_token_id, self.model, tokenizer)
-        rows = max_running if history_rows is None else history_rows
-        k = 0 if self.drafter is None else self.drafter.k
-        self.fmap = FutureMap((4 * max_running + 8) * (1 + k), device=_device(self.model, device))
-        self.sampler = Sampler(history_rows=rows)
-        if self.drafter is None:
-            self.runtime = OverlapRuntime(
-                self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
+        if max_len is not None:
+            # The requests' positions: drafts verified past a request's end are discarded.
+            _check_context(max_len, context(model))
+        pool_max = None if max_len is None else max_len + extra
+        self.model, pool_len, give_back = _adapt(model, max_running, pool_max)
+        # What gives a Hugging Face model wrapped here its mode and attention back (at close).
+        self._give_back: Callable[[], None] | None = give_back
+        try:
+            self.max_len = max_len if max_len is not None or pool_len is None else pool_len - extra
+            self.tokenizer = tokenizer
+            self.vocab: int | None = vocab_size if vocab_size is not None else _vocab(self.model)
+            self.eos: tuple[int, ...] = _eos(eos_token_id, self.model, tokenizer)
+            rows = max_running if history_rows is None else history_rows
+            k = 0 if self.drafter is None else self.drafter.k
+            self.fmap = FutureMap((4 * max_running + 8) * (1 + k), device=_device(self.model, device))
+            self.sampler = Sampler(history_rows=rows)
+            if self.drafter is None:
+                self.runtime = OverlapRuntime(
+                    self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
+                )
+            else:
+                assert self.max_len is not None
+                kind, draft_back = spec_step(
+                    self.model, self.drafter, self.sampler, max_running, self.max_len + extra
+                )
+                if draft_back is not None:  # the draft model's state, given back with the model's
+                    give_back = self._give_back = _chain(give_back, draft_back)
+                self.runtime = OverlapRuntime(kind, self.fmap, overlap=overlap, stream=stream, trace=trace)
+            self.scheduler = ServingScheduler(
+                self.fmap,
+                max_running=max_running,
+                chunk=chunk,
+                token_budget=token_budget,
+                delay=delay,
+                history_rows=rows,
+                retain=False,
+                speculative=k,
             )
-        else:
-            assert self.max_len is not None
-            kind = spec_step(self.model, self.drafter, self.sampler, max_running, self.max_len + extra)
-            self.runtime = OverlapRuntime(kind, self.fmap, overlap=overlap, stream=stream, trace=trace)
-        self.scheduler = ServingScheduler(
-            self.fmap,
-            max_running=max_running,
-            chunk=chunk,
-            token_budget=token_budget,
-            delay=delay,
-            history_rows=rows,
-            retain=False,
-            speculative=k,
-        )
-        self.max_running = max_running
-        self.last_stats: RunStats | None = None  # the last run that ended normally
-        self.last_error: BaseException | None = None  # the last run's failure
-        self._cond = threading.Condition(self.scheduler.lock)
-        self._ids = itertools.count()
-        self._driver: str | None = None  # None, "foreground" or "background"
-        self._thread: threading.Thread | None = None  # the background thread
-        self._driver_thread: threading.Thread | None = None  # the thread that drives the runtime
-        self._closed = False
-        self._local = threading.local()  # the generate() call whose on_tokens runs here
-        self._requests = RequestPreparer(self.tokenizer, self.vocab, self.max_len, self.eos)
+            self.max_running = max_running
+            self.last_stats: RunStats | None = None  # the last run that ended normally
+            self.last_error: BaseException | None = None  # the last run's failure
+            self._cond = threading.Condition(self.scheduler.lock)
+            self._ids = itertools.count()
+            self._driver: str | None = None  # None, "foreground" or "background"
+            self._thread: threading.Thread | None = None  # the background thread
+            self._driver_thread: threading.Thread | None = None  # the thread that drives the runtime
+            self._closed = False
+            self._local = threading.local()  # the generate() call whose on_tokens runs here
+            self._requests = RequestPreparer(self.tokenizer, self.vocab, self.max_len, self.eos)
+        except BaseException:
+            if give_back is not None:
+                give_back()  # refused after wrapping: the model is left as it was
+            raise
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -183,7 +204,9 @@ class Engine:
     ) -> int:
         """Queue one request (thread-safe) and return its id. ``callback(update)`` hears its
         :class:`TokenUpdate` s on the runtime's host thread (token ids only: see
-        :meth:`stream` for text). Starts the background thread if nothing drives the engine."""
+        :meth:`stream` for text); if it raises, the request finishes with reason ``"error"``
+        (its last update carries the exception) and the others go on. Starts the background
+        thread if nothing drives the engine."""
         prepared = self._requests.prepare(prompt, params)
         collector: _Collector | None = getattr(self._local, "collector", None)
         return self._add_many([prepared], callback, collector)[0]
@@ -197,8 +220,10 @@ class Engine:
         """Submit ``prompts`` and iterate over their :class:`TokenUpdate` s as they are processed:
         ``for rid, tokens, finished in engine.stream(...)``, with ``update.text`` the new text
         when the engine has a tokenizer. The iterator blocks on a queue (no busy waiting), ends
-        when every request finished, and aborts the requests left when closed early (``break``,
-        ``close()``, garbage collection, an exception in the loop body)."""
+        when every request finished, and aborts the requests left when closed early:
+        ``break`` out of (or an exception in) a ``for`` loop over it, even with the stream
+        still held in a variable; ``close()``; ``with engine.stream(...) as s``; garbage
+        collection. A stream stepped with ``next()`` is stopped by ``close()`` (or ``with``)."""
         items = self._requests.prepare_all(prompts, params)
         q: queue.SimpleQueue[TokenUpdate] = queue.SimpleQueue()
         return TokenStream(self, self._add_many(items, q.put, None), q)
@@ -217,7 +242,10 @@ class Engine:
         ``params``: one :class:`GenerationParams` for all, a list of one per prompt, or None
         (the defaults). ``on_tokens(engine, update)`` hears every :class:`TokenUpdate` (with
         ``text`` when there is a tokenizer) on the runtime's host thread; it may
-        :meth:`submit` requests (they join this call's outputs) and :meth:`abort` them.
+        :meth:`submit` requests (they join this call's outputs; a refused one raises there
+        and is not waited for) and :meth:`abort` them. If it raises, that request ends with
+        reason ``"error"``, the call's other requests are aborted, and this call re-raises the
+        exception once they ended; other callers' requests are not touched.
         ``progress``: a tqdm bar over requests (None: only when stderr is a terminal and the
         call takes over a second, and only if tqdm is installed; True: always, needs tqdm).
         """
@@ -246,12 +274,18 @@ class Engine:
         return col.result(stats)
 
     def close(self, timeout: float | None = None) -> None:
-        """Abort every live request, refuse new ones, and wait for the background thread."""
+        """Abort every live request, refuse new ones, and wait for the background thread.
+
+        A Hugging Face model this engine wrapped gets back its train/eval mode and its own
+        attention implementation once no run of the engine goes (at once when idle, else when
+        the running one ends) and no other engine over the same model is open (the last one
+        to close gives them back). An ``HFCausalLM`` passed in is left as it is."""
         with self._cond:
             self._closed = True
             for rid in self.scheduler.live:
                 self.scheduler.abort(rid)
             thread = self._thread
+            self._give_back_if_done()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -284,8 +318,10 @@ class Engine:
             try:
                 for p in items:
                     rid = next(self._ids)
-                    cb = callback if collector is None else collector.expect(rid, p.text, callback)
+                    cb = callback if collector is None else collector.callback(rid, callback)
                     self.scheduler.add(RequestSpec(rid, 0, p.ids, **p.spec_kw), cb)
+                    if collector is not None:  # only what the scheduler accepted is waited for
+                        collector.register(rid, p.text)
                     rids.append(rid)
             except BaseException:
                 for rid in rids:  # queued already: they finish as aborted at the next step
@@ -319,6 +355,7 @@ class Engine:
             with self._cond:
                 if not self.scheduler.has_work():
                     self._driver, self._thread, self._driver_thread = None, None, None
+                    self._give_back_if_done()
                     self._cond.notify_all()
                     return
             self._run(raise_error=False)
@@ -332,13 +369,22 @@ class Engine:
                 with self._cond:
                     if not self.scheduler.has_work():
                         self._driver, self._driver_thread = None, None
+                        self._give_back_if_done()
                         self._cond.notify_all()
                         return stats
         except BaseException:
             with self._cond:
                 self._driver, self._driver_thread = None, None
                 self._ensure_driver()  # requests added by a callback while failing
+                self._give_back_if_done()
             raise
+
+    def _give_back_if_done(self) -> None:
+        """Under the lock: once closed and no thread drives a run, give a Hugging Face model
+        this engine wrapped its mode and attention back (once)."""
+        if self._closed and self._driver is None and self._give_back is not None:
+            give_back, self._give_back = self._give_back, None
+            give_back()
 
     def _run(self, raise_error: bool) -> RunStats | None:
         try:
@@ -355,63 +401,14 @@ class Engine:
         return stats
 
 
-def generate(
-    model: Any,
-    prompts: Prompt | Sequence[Prompt],
-    params: Any = None,
-    *,
-    tokenizer: Any = None,
-    overlap: bool = True,
-    on_tokens: OnTokens | None = None,
-    progress: bool | None = None,
-    max_running: int | None = None,
-    max_len: int | None = None,
-    eos_token_id: int | Iterable[int] | None = None,
-    trace: bool = True,
-    **engine_kw: Any,
-) -> GenerateResult:
-    """Generate for ``prompts`` with ``model`` in three lines::
+def _chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
+    """Call ``first`` (if any), then ``then``."""
 
-        model = AutoModelForCausalLM.from_pretrained(...); tok = AutoTokenizer.from_pretrained(...)
-        out = tfuture.generate(model, ["Hello"], GenerationParams(max_tokens=32), tokenizer=tok)
-        print(out[0].text, out[0].finish_reason, out[0].timings.ttft, out.stats.summary())
+    def both() -> None:
+        try:
+            if first is not None:
+                first()
+        finally:
+            then()
 
-    ``model``: a ``transformers`` causal LM (wrapped in :class:`tfuture.models.HFCausalLM`),
-    an ``HFCausalLM``, or any tfuture :class:`tfuture.Model`. ``prompts``: strings (need
-    ``tokenizer``) or token id lists, or one of either. ``params``: a
-    :class:`tfuture.scheduler.GenerationParams` for all, one per prompt, or None (vLLM's
-    defaults: temperature 1, 16 tokens). ``max_running`` defaults to the number of prompts (at
-    most 32) and ``max_len`` to the longest prompt plus its ``max_tokens`` (requests that
-    ``on_tokens`` submits must fit). ``overlap=False`` runs in sync (A/B). ``on_tokens``,
-    ``progress``: see :meth:`Engine.generate`; ``engine_kw``: :class:`Engine`'s other options.
-
-    Builds the engine (future map, KV pool, sampler, scheduler), runs on the calling thread,
-    and returns a :class:`GenerateResult`: per request ``token_ids``, ``text`` (with a
-    tokenizer), ``finish_reason`` and ``timings``, and the run's ``stats``.
-    """
-    plist = _prompt_list(prompts)
-    gp = _params_list(params, len(plist))
-    if not plist:
-        return GenerateResult([], None)
-    if max_running is None:
-        max_running = min(len(plist), MAX_RUNNING)
-    if max_len is None and not _is_adapter(model):
-        lens = [
-            len(encode(tokenizer, p)) if isinstance(p, str) and tokenizer is not None else _len(p)
-            for p in plist
-        ]
-        max_len = max(
-            n + (g if g is not None else GenerationParams()).max_tokens for n, g in zip(lens, gp, strict=True)
-        )
-    engine = Engine(
-        model,
-        tokenizer=tokenizer,
-        max_running=max_running,
-        max_len=max_len,
-        overlap=overlap,
-        eos_token_id=eos_token_id,
-        trace=trace,
-        **engine_kw,
-    )
-    with engine:
-        return engine.generate(plist, gp, on_tokens=on_tokens, progress=progress)
+    return both

@@ -6,14 +6,16 @@ end tokens, device and vocab found, the progress bar, the run's thread context a
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from tfuture.engine.detok import tokenizer_eos
+from tfuture.engine.model_state import wrap
 from tfuture.scheduler.options import GenerationParams
 from tfuture.streams.stats import RunStats
 
@@ -21,6 +23,8 @@ Prompt = str | Sequence[int] | np.ndarray
 
 # An idle Engine's KV rows for a Hugging Face model without max_len: the context, at most this.
 DEFAULT_MAX_LEN = 4096
+# Where a Hugging Face config gives the model's context (trained positions), in this order.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
 def _count(name: str, v: object) -> int:
@@ -40,8 +44,81 @@ def _is_hf_model(model: object) -> bool:
     return tf is not None and isinstance(model, tf.PreTrainedModel)
 
 
-def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int | None]:
-    """The model the runtime drives, and the positions a request may use (None: unchecked)."""
+def _check_tokenizer(tokenizer: Any) -> None:
+    """``TypeError`` unless ``tokenizer`` is None or an object that encodes and decodes (a name
+    is refused: nothing is loaded or downloaded at run time)."""
+    if tokenizer is None:
+        return
+    if isinstance(tokenizer, str | bytes | os.PathLike):
+        raise TypeError(
+            f"tokenizer must be a tokenizer object, got the {type(tokenizer).__name__} {tokenizer!r}: "
+            "tfuture loads nothing by name (no download); pass e.g. "
+            f"transformers.AutoTokenizer.from_pretrained({str(tokenizer)!r}) or a tokenizers.Tokenizer"
+        )
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise TypeError(
+            "tokenizer must have encode(text) and decode(ids) (a transformers tokenizer or a "
+            f"tokenizers.Tokenizer), got {type(tokenizer).__name__}"
+        )
+
+
+def _check_model(model: Any) -> None:
+    """``TypeError`` for a model that gives no next-token logits: a plain torch layer, or a
+    Hugging Face model without a language-model head (a base ``LlamaModel``, a classifier)."""
+    if _is_hf_model(model):
+        get_head = getattr(model, "get_output_embeddings", None)
+        if not callable(get_head) or get_head() is None:
+            raise TypeError(
+                f"model is a {type(model).__name__}, which has no language-model head "
+                "(get_output_embeddings() is None), so it gives no next-token logits: load it with "
+                "transformers.AutoModelForCausalLM"
+            )
+    elif isinstance(model, torch.nn.Module) and type(model).__module__.startswith("torch."):
+        raise TypeError(
+            f"model is a plain torch {type(model).__name__}, not a causal LM: pass a transformers "
+            "causal LM (AutoModelForCausalLM), a tfuture.models.HFCausalLM, or a tfuture Model "
+            "(forward(batch: ForwardBatch) -> logits)"
+        )
+
+
+def context(model: Any) -> tuple[int, str] | None:
+    """A Hugging Face model's context: the positions it was trained for and the config key
+    that says so (``max_position_embeddings``, GPT-2's ``n_positions``, ...); None when the
+    model is not a Hugging Face one (or its config does not say)."""
+    if _is_adapter(model):
+        model = model.model
+    if not _is_hf_model(model):
+        return None
+    cfg = model.config
+    get_text = getattr(cfg, "get_text_config", None)
+    if callable(get_text):
+        cfg = get_text()
+    aliases = getattr(cfg, "attribute_map", None) or {}
+    for key in _CONTEXT_KEYS:
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v, f"config.{aliases.get(key, key)}"  # the key the config really has
+    return None
+
+
+def _check_context(max_len: int, ctx: tuple[int, str] | None) -> None:
+    if ctx is not None and max_len > ctx[0]:
+        raise ValueError(
+            f"max_len={max_len} positions per request exceeds the model's context of {ctx[0]} "
+            f"positions ({ctx[1]}): positions past it were never trained (a RoPE model gives wrong "
+            "tokens silently, a learned-position model fails)"
+        )
+
+
+def _adapt(
+    model: Any, max_running: int, max_len: int | None
+) -> tuple[Any, int | None, Callable[[], None] | None]:
+    """The model the runtime drives, the positions of its KV rows (``max_len``: the caller
+    checked it against the context with :func:`_check_context`; without it, the context
+    bounds them; None: unchecked), and for a Hugging Face model wrapped here, what gives its
+    state back (see :mod:`tfuture.engine.model_state`)."""
+    _check_model(model)
+    ctx = context(model)
     if _is_adapter(model):
         pool = model.pool
         if pool.n_rows < max_running:
@@ -53,20 +130,18 @@ def _adapt(model: Any, max_running: int, max_len: int | None) -> tuple[Any, int 
             raise ValueError(
                 f"max_len={max_len} exceeds the HFCausalLM's KV rows of {pool.max_len} positions"
             )
-        return model, max_len or pool.max_len
+        return model, max_len or min(pool.max_len, ctx[0] if ctx is not None else pool.max_len), None
     if _is_hf_model(model):
         if max_len is None:
-            ctx = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LEN
-            max_len = min(int(ctx), DEFAULT_MAX_LEN)
-        from tfuture.models.hf import HFCausalLM  # the hf extra: only when a HF model is given
-
-        return HFCausalLM(model, max_requests=max_running, max_len=max_len), max_len
+            max_len = min(ctx[0] if ctx is not None else DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
+        adapter, give_back = wrap(model, max_running, max_len)
+        return adapter, max_len, give_back
     if not callable(getattr(model, "forward", None)):
         raise TypeError(
             "model must be a transformers PreTrainedModel, a tfuture.models.HFCausalLM or a tfuture Model "
             f"(forward(batch) -> logits), got {type(model).__name__}"
         )
-    return model, max_len
+    return model, max_len, None
 
 
 def _vocab(model: Any) -> int | None:

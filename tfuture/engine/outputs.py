@@ -40,8 +40,10 @@ class RequestOutput:
     """What one request produced: token ids (the stop token included), text (with a tokenizer:
     the output's text, special tokens left out), why it finished (``"stop"``, ``"length"``,
     ``"abort"``, ``"grammar"``, ``"error"``, or ``"invalid"``: the grammar accepted an output
-    that is not valid, e.g. JSON with a raw control character, xgrammar #800) and its host
-    timings (``timings.ttft``, ``timings.tpot``, ``timings.latency``)."""
+    that is not valid, e.g. JSON with a raw control character, xgrammar #800), its host
+    timings (``timings.ttft``, ``timings.tpot``, ``timings.latency``) and counts
+    (``timings.steps``: model steps that gave it tokens; ``timings.drafted`` and
+    ``timings.accepted``: speculative drafts verified and accepted)."""
 
     rid: int
     prompt: str | None
@@ -76,10 +78,27 @@ class GenerateResult:
                 return o
         raise KeyError(rid)
 
+    @property
+    def drafted(self) -> int:
+        """Draft tokens verified over every request (speculative decoding; 0 without)."""
+        return sum(o.timings.drafted for o in self.outputs)
+
+    @property
+    def accepted(self) -> int:
+        """Of :attr:`drafted`, the accepted ones (a finish may cut an accepted run short)."""
+        return sum(o.timings.accepted for o in self.outputs)
+
 
 class TokenStream:
     """The iterator :meth:`Engine.stream` returns (see there); ``rids`` are its requests' ids.
-    Closing it (``close()``, ``with``, or dropping it) aborts the requests still running."""
+
+    Closing it aborts the requests still running: ``close()``, ``with``, dropping the stream,
+    and leaving a ``for`` loop over it early (``break``, ``return``, an exception in the body),
+    even while a variable still holds the stream: each ``for`` loop (``iter(stream)``) gets
+    its own iterator, which closes the stream when the loop drops it before the end (so does
+    any consumer that stops early, such as ``itertools.islice(stream, n)``: step with
+    ``next(stream)`` to take a few updates and go on later). ``next(stream)`` has no loop to
+    leave: call ``close()`` (or use ``with``) to stop."""
 
     def __init__(self, engine: EngineLike, rids: list[int], q: queue.SimpleQueue[TokenUpdate]) -> None:
         self.engine, self.rids, self._q = engine, rids, q
@@ -87,8 +106,21 @@ class TokenStream:
         tok = engine.tokenizer
         self._decoders = {rid: IncrementalDecoder(tok) for rid in rids} if tok is not None else None
 
-    def __iter__(self) -> TokenStream:
-        return self
+    def __iter__(self) -> Iterator[TokenUpdate]:
+        return self._loop()
+
+    def _loop(self) -> Iterator[TokenUpdate]:
+        """One ``for`` loop's iterator: when the loop drops it before the end (``break``), the
+        generator is closed at once (CPython frees it on the spot) and so is the stream."""
+        try:
+            while True:
+                try:
+                    update = next(self)
+                except StopIteration:
+                    return
+                yield update
+        finally:
+            self.close()  # aborts nothing when every request finished
 
     def __next__(self) -> TokenUpdate:
         if not self._open:
@@ -136,27 +168,51 @@ class _Collector:
         self.texts: dict[int, str | None] = {}
         self.done: dict[int, Completion] = {}
         self.decoders: dict[int, IncrementalDecoder] = {}
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the first error a request finished with
+        self.callback_error: Exception | None = None  # the first one on_tokens raised
+        self._failed: set[int] = set()  # requests whose callback raised
 
-    def expect(self, rid: int, text: str | None, also: UpdateCallback | None) -> UpdateCallback:
-        """Under the engine's lock: ``rid`` belongs to this call; its callback."""
+    def callback(self, rid: int, also: UpdateCallback | None) -> UpdateCallback:
+        """The scheduler's callback for request ``rid`` of this call (``also``: the callback it
+        was submitted with). One that raises ends that request with reason ``"error"`` (the
+        scheduler contains it); the call's other requests are aborted and :meth:`wait` re-raises
+        the exception. :meth:`register` the request once the scheduler accepted it."""
+
+        def callback(update: TokenUpdate) -> None:
+            try:
+                if rid not in self._failed:  # a failed callback does not hear its own error
+                    if also is not None:
+                        also(update)
+                    if self.on_tokens is not None:
+                        self._call(update)
+            except Exception as e:
+                self._callback_failed(rid, e)
+                raise
+            finally:
+                if update.finished:
+                    self._finished(update)
+
+        return callback
+
+    def register(self, rid: int, text: str | None) -> None:
+        """Under the engine's lock, once the scheduler accepted ``rid``: it belongs to this call
+        (a refused request is never waited for)."""
         self.order.append(rid)
         self.texts[rid] = text
         if self.bar is not None and len(self.order) > self.bar.total:
             self.bar.total = len(self.order)
             self.bar.refresh()
 
-        def callback(update: TokenUpdate) -> None:
-            try:
-                if also is not None:
-                    also(update)
-                if self.on_tokens is not None:
-                    self._call(update)
-            finally:
-                if update.finished:
-                    self._finished(update)
-
-        return callback
+    def _callback_failed(self, rid: int, error: Exception) -> None:
+        """``on_tokens`` (or a request's callback) raised: the call will raise ``error``, so its
+        other requests stop now instead of running to their limits."""
+        with self.engine._cond:
+            self._failed.add(rid)
+            if self.callback_error is None:
+                self.callback_error = error
+            left = [r for r in self.order if r not in self.done and r != rid]
+        for r in left:
+            self.engine.abort(r)
 
     def _call(self, update: TokenUpdate) -> None:
         assert self.on_tokens is not None
@@ -186,10 +242,13 @@ class _Collector:
             self.bar.update(1)
 
     def wait(self) -> None:
-        """Block (no polling) until every request of the call finished; raise if a run failed."""
+        """Block (no polling) until every request of the call finished; re-raise what a callback
+        of the call raised, or raise :class:`EngineError` if a run failed."""
         with self.engine._cond:
             while len(self.done) < len(self.order):
                 self.engine._cond.wait()
+        if self.callback_error is not None:
+            raise self.callback_error
         if self.error is not None:
             raise EngineError("the engine's run failed during generate()") from self.error
 

@@ -101,6 +101,7 @@ class RequestPreparer:
             "params": params.sampling_params(),
             "stop": frozenset(stop),
             "grammar": self.grammar(params) if params.structured else False,
+            "drafts": bool(params.speculative),
         }
         g = kw["grammar"]
         if g is not False and self.vocab is not None and g.vocab != self.vocab:

@@ -9,10 +9,13 @@ makes no drafts (its tokens wait for grammar masks, the others' do not).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tfuture.engine.inputs import _is_hf_model
+from tfuture.engine.model_state import wrap
 from tfuture.sampling import Sampler
 from tfuture.spec import Drafter, ModelDrafter, SpecTokenStep
 
@@ -40,9 +43,10 @@ def margin(drafter: Drafter | None) -> int:
 
 def spec_step(
     model: Any, drafter: Drafter, sampler: Sampler, max_running: int, pool_len: int
-) -> SpecTokenStep:
+) -> tuple[SpecTokenStep, Callable[[], None] | None]:
     """The token step of ``model`` with ``drafter`` bound to ``max_running`` rows of
-    ``pool_len`` positions on the model's device; a draft model must share the vocabulary."""
+    ``pool_len`` positions on the model's device (a draft model must share the vocabulary), and
+    what gives a Hugging Face draft model wrapped here its mode and attention back (or None)."""
     vocab = getattr(model, "vocab", None)
     if isinstance(drafter, ModelDrafter) and vocab is not None and drafter.vocab not in (None, vocab):
         raise ValueError(
@@ -51,5 +55,14 @@ def spec_step(
         )
     param = next(iter(getattr(getattr(model, "model", None), "parameters", lambda: iter(()))()), None)
     device = param.device if isinstance(param, torch.Tensor) else torch.device("cpu")
-    drafter.bind(max_running, pool_len, device)
-    return SpecTokenStep(model, drafter, sampler)
+    give_back = None
+    if isinstance(drafter, ModelDrafter) and _is_hf_model(drafter.draft_model):
+        # Leased like the target: the engine that wraps it gives its state back when it closes.
+        drafter.adapter, give_back = wrap(drafter.draft_model, max_running, pool_len + drafter.k + 1)
+    try:
+        drafter.bind(max_running, pool_len, device)
+        return SpecTokenStep(model, drafter, sampler), give_back
+    except BaseException:
+        if give_back is not None:
+            give_back()
+        raise

@@ -112,7 +112,7 @@ def run(
     sched = ContinuousBatcher(
         specs, fmap, eos=-1, max_running=max_running, chunk=16, token_budget=64, host_work_s=host_s
     )
-    stats = OverlapRuntime(model, fmap, overlap=overlap).run(sched)
+    stats = OverlapRuntime(model, fmap, overlap=overlap, trace=True).run(sched)  # spans: the timeline
     if fmap.in_use or model.pool.n_free != model.pool.n_rows:
         raise AssertionError("slots or KV rows left in use after the run")
     return sched.outputs, stats

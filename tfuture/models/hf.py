@@ -354,6 +354,14 @@ class HFCausalLM:
             self.pool.clear()
             self._owner = None
 
+    def restore(self) -> None:
+        """Give the model back its own attention implementation (``inner``, what it had before
+        construction switched it to ``tfuture_<inner>``), e.g. for Hugging Face's
+        ``generate_batch``, which refuses a foreign one. Construction also put the model in eval
+        mode: ``model.train()`` is the caller's. Call it once no run uses this adapter, nor any
+        other adapter over the same model: their forwards need the pooled attention."""
+        _set_attention(self.model, self.inner)
+
 
 def _set_attention(model: Any, name: str) -> None:
     if hasattr(model, "set_attn_implementation"):

@@ -64,6 +64,9 @@ class _Req:
     pending: tuple[Batch, int, int] | None = None
     n_pending: int = 0  # launched but unprocessed sampling steps (each commits >= 1 token)
     pending_extra: int = 0  # drafts those steps verify: tokens they may commit beyond one each
+    # Speculative: its pending slots, held by the batcher while it waits a step (the runtime
+    # releases a step's slots once a later step was launched); named by its next step.
+    kept: FutureIndices | None = None
     steps: int = 0  # sampling steps processed (model steps that gave it tokens)
     drafted: int = 0  # drafts it verified (speculative)
     accepted: int = 0  # of those, accepted
@@ -154,6 +157,11 @@ class ContinuousBatcher:
         self.history_rows = history_rows
         if isinstance(speculative, bool) or not isinstance(speculative, int) or speculative < 0:
             raise ValueError(f"speculative must be an int >= 0 (drafts per step), got {speculative!r}")
+        if speculative and token_budget < 1 + speculative:
+            raise ValueError(
+                f"token_budget={token_budget} cannot hold a speculative decode of 1 + {speculative} tokens "
+                f"(the last committed token and its drafts): give token_budget >= {1 + speculative}"
+            )
         #: Drafts each request makes per step (0: plain decoding, plain Batches). A grammar
         #: request makes none: its tokens wait for masks the host builds from its matcher.
         self.speculative = speculative
@@ -213,6 +221,7 @@ class ContinuousBatcher:
                 # A speculative decode verifies the drafts its last step made.
                 n = r.pending[2] if self.speculative and r.pending is not None else 1
                 if budget < n or slots_left < need:
+                    self._keep(r)  # waits a step: its drafts' slots must outlive their step
                     continue
                 samples = True
             budget -= n
@@ -222,6 +231,14 @@ class ContinuousBatcher:
             self._check_not_stuck()
             return None
         return self._build(rows)
+
+    def _keep(self, r: _Req) -> None:
+        """Hold ``r``'s pending slots (its last committed token and drafts) in a handle of the
+        batcher's own while ``r`` waits: its step's slots go back once a later step launched."""
+        if r.kept is None and r.pending is not None and self.speculative:
+            b, row, n = r.pending
+            assert b.out is not None
+            r.kept = b.out.filter(np.arange(row, row + n, dtype=np.int64))
 
     def _history_row_free(self, spec: RequestSpec) -> bool:
         """With ``history_rows``: a request with penalties waits until a running one ends."""
@@ -257,6 +274,7 @@ class ContinuousBatcher:
     def _build(self, rows: list[tuple[_Req, int, bool]]) -> Batch:
         tokens: list[np.ndarray] = []
         seg, prefix, rids, sample = [], [], [], []
+        consumes: list[FutureIndices] = []
         by_batch: dict[int, tuple[Batch, list[int], list[tuple[int, int]]]] = {}
         decodes: set[int] = set()  # requests whose segment names their last step's slots
         for i, (r, n, samples) in enumerate(rows):
@@ -268,7 +286,12 @@ class ContinuousBatcher:
                 # Speculative steps in flight may commit up to pending_extra more tokens: the
                 # host's prefix is a bound, the step takes the true one from the slots.
                 prefix.append(r.known_len - 1 + r.pending_extra)
-                if r.pending is not None:
+                if r.kept is not None:  # it waited: its own handle on its slots
+                    consumes.append(r.kept)
+                    tokens.append(r.kept.host_placeholders().astype(np.int64))
+                    r.kept = None
+                    decodes.add(i)
+                elif r.pending is not None:
                     b, row, _ = r.pending
                     entry = by_batch.setdefault(id(b), (b, [], []))
                     entry[1].extend(range(row, row + n))
@@ -280,15 +303,46 @@ class ContinuousBatcher:
             seg.append(n)
             rids.append(r.spec.rid)
             sample.append(samples)
-        consumes: list[FutureIndices] = []
-        for b, out_rows, req_idx in by_batch.values():
-            assert b.out is not None
-            h = b.out.filter(np.asarray(out_rows, dtype=np.int64))
-            consumes.append(h)
-            phs, at = h.host_placeholders(), 0
-            for i, n in req_idx:
-                tokens[i] = phs[at : at + n].astype(np.int64)
-                at += n
+        try:
+            for b, out_rows, req_idx in by_batch.values():
+                assert b.out is not None
+                h = b.out.filter(np.asarray(out_rows, dtype=np.int64))
+                consumes.append(h)
+                phs, at = h.host_placeholders(), 0
+                for i, n in req_idx:
+                    tokens[i] = phs[at : at + n].astype(np.int64)
+                    at += n
+            batch, verify, sample_mask = self._batch(
+                rows, tokens, seg, prefix, rids, sample, consumes, decodes
+            )
+        except BaseException:
+            self.fmap.release_live(consumes)  # the handles made or taken here: nothing leaks
+            raise
+        self._ended = []
+        extra = None if verify is None else verify[sample_mask]
+        first = 0
+        for row, r in enumerate(batch.tag):
+            need = 1 + self._drafts(r)
+            r.pending = (batch, first, need)
+            first += need
+            r.n_pending += 1
+            if extra is not None:
+                r.pending_extra += int(extra[row])
+        return batch
+
+    def _batch(
+        self,
+        rows: list[tuple[_Req, int, bool]],
+        tokens: list[np.ndarray],
+        seg: list[int],
+        prefix: list[int],
+        rids: list[int],
+        sample: list[bool],
+        consumes: list[FutureIndices],
+        decodes: set[int],
+    ) -> tuple[Batch, np.ndarray | None, np.ndarray]:
+        """The checked batch (a :class:`DraftBatch` when speculative), its ``n_verify`` (None
+        for a plain batch) and its sample mask."""
         sample_mask = np.asarray(sample, dtype=bool)
         seg_lens = np.asarray(seg, dtype=np.int64)
         common: dict[str, Any] = {
@@ -304,32 +358,24 @@ class ContinuousBatcher:
             np.asarray(prefix, dtype=np.int64),
             np.asarray(rids, dtype=np.int64),
         )
-        verify = None
-        if self.speculative:
-            # A decode verifies the drafts of its last step: every token of its segment but the first.
-            decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
-            verify = np.where(decode, seg_lens - 1, 0)
-            drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
-            n_draft = np.where(sample_mask, drafts, 0)
-            batch: Batch = DraftBatch(*arrays, sample_mask, **common, n_verify=verify, n_draft=n_draft)
-        else:
-            batch = Batch(*arrays, sample_mask, **common)
-        self._ended = []
-        extra = None if verify is None else verify[sample_mask]
-        first = 0
-        for row, r in enumerate(batch.tag):
-            need = 1 + self._drafts(r)
-            r.pending = (batch, first, need)
-            first += need
-            r.n_pending += 1
-            if extra is not None:
-                r.pending_extra += int(extra[row])
-        return batch
+        if not self.speculative:
+            return Batch(*arrays, sample_mask, **common), None, sample_mask
+        # A decode verifies the drafts of its last step: every token of its segment but the first.
+        decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
+        verify = np.where(decode, seg_lens - 1, 0)
+        drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
+        n_draft = np.where(sample_mask, drafts, 0)
+        return (
+            DraftBatch(*arrays, sample_mask, **common, n_verify=verify, n_draft=n_draft),
+            verify,
+            sample_mask,
+        )
 
     def _drafts(self, r: _Req) -> int:
         """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
-        which the host advances only over tokens it has seen)."""
-        return 0 if r.matcher is not None else self.speculative
+        which the host advances only over tokens it has seen) or one that opted out
+        (``RequestSpec.drafts``)."""
+        return 0 if r.matcher is not None or not r.spec.drafts else self.speculative
 
     def _delayed(self, rows: list[tuple[_Req, int, bool]], sample: np.ndarray) -> bool | np.ndarray:
         """``Batch.delayed``: False without a sampling grammar request; with ``delay="rows"`` a
@@ -367,6 +413,7 @@ class ContinuousBatcher:
             if r.finished:
                 self.extra_tokens += 1
                 continue
+            r.steps += 1
             self._take(r, tok, result.step)
 
     def _process_drafts(self, result: DraftResult) -> None:
@@ -420,6 +467,9 @@ class ContinuousBatcher:
         the next :meth:`schedule`, which reports it in ``Batch.ended``; a token still in flight
         for it is discarded (the extra step)."""
         r.finished, r.reason = True, reason
+        if r.kept is not None:
+            self.fmap.release(r.kept)
+            r.kept = None
         self.outputs[r.spec.rid] = r.out
         self.finish_reasons[r.spec.rid] = reason
 

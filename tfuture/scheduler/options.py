@@ -7,6 +7,7 @@ structured output with the sampling knobs, converted by :meth:`GenerationParams.
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ class GenerationParams:
             (a dict or its JSON text; compiled with xgrammar for the engine's tokenizer). One
             that xgrammar accepted but does not parse (a raw control character in a string with
             ``maxLength``, xgrammar #800) finishes with reason ``"invalid"``.
+        speculative: on an engine built with ``speculative=`` (a drafter), False makes this
+            request decode plainly (no drafts) beside the others; ignored elsewhere.
         grammar: structured output: a :class:`tfuture.grammars.Grammar` (compiled already) or
             an xgrammar EBNF string (root rule ``root``). At most one of the two.
 
@@ -74,7 +77,8 @@ class GenerationParams:
       ``prompt_logprobs``, ``logit_bias``, ``allowed_token_ids``, ``bad_words``,
       ``include_stop_str_in_output``, ``detokenize``/``skip_special_tokens`` switches,
       ``truncate_prompt_tokens``; structured output is ``json_schema``/``grammar`` here, not
-      ``guided_decoding``/``structured_outputs`` (no regex or choice).
+      ``guided_decoding``/``structured_outputs`` (no regex or choice). Each of these raises a
+      ``TypeError`` naming the field and what to do instead.
     """
 
     max_tokens: int = 16
@@ -90,6 +94,7 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     json_schema: dict[str, Any] | str | None = None
     grammar: Any = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens is None:
@@ -119,6 +124,8 @@ class GenerationParams:
         if any(t < 0 for t in ids):
             raise ValueError(f"GenerationParams.stop_token_ids must be token ids >= 0, got {list(ids)}")
         object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.speculative, bool | np.bool_):
+            raise TypeError(f"GenerationParams.speculative must be a bool, got {self.speculative!r}")
         if not isinstance(self.ignore_eos, bool | np.bool_):
             raise TypeError(f"GenerationParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.json_schema is not None and self.grammar is not None:
@@ -173,3 +180,50 @@ class GenerationParams:
             )
         except (TypeError, ValueError) as e:
             raise type(e)(str(e).replace("SamplingParams.", "GenerationParams.")) from None
+
+
+_SEVERAL = "one output per request: submit the prompt that many times (seed=None draws a seed each)"
+_NO_LOGPROBS = "not supported: outputs carry token ids (RequestOutput.token_ids), not log-probabilities"
+_STRUCTURED = "give json_schema= (a JSON schema) or grammar= (EBNF or a Grammar) instead"
+# vLLM SamplingParams fields that GenerationParams does not take, and what to do instead.
+_UNSUPPORTED = {
+    "n": _SEVERAL,
+    "best_of": _SEVERAL,
+    "stop": "stop strings are not supported: give stop_token_ids= (token ids that end the request)",
+    "min_tokens": "not supported: a request may end at its first token (ignore_eos=True never stops on EOS)",
+    "logprobs": _NO_LOGPROBS,
+    "prompt_logprobs": _NO_LOGPROBS,
+    "logit_bias": "not supported",
+    "allowed_token_ids": "not supported (a grammar= can restrict the tokens)",
+    "bad_words": "not supported",
+    "include_stop_str_in_output": "stop strings are not supported: the stop token is always in token_ids",
+    "detokenize": "not supported: text is decoded when the engine has a tokenizer",
+    "skip_special_tokens": "not supported: text always leaves special tokens out",
+    "spaces_between_special_tokens": "not supported",
+    "truncate_prompt_tokens": "not supported: a prompt is never truncated",
+    "guided_decoding": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+}
+
+
+def _refuse_unknown(init: Any) -> Any:
+    """``GenerationParams.__init__`` that names an unknown keyword (a vLLM-only field says what
+    to do instead) rather than Python's bare 'unexpected keyword argument'."""
+    names = GenerationParams.__dataclass_fields__
+
+    @functools.wraps(init)
+    def __init__(self: GenerationParams, *args: Any, **kw: Any) -> None:
+        for key in kw:
+            if key not in names:
+                hint = _UNSUPPORTED.get(key)
+                if hint is not None:
+                    raise TypeError(
+                        f"GenerationParams does not take {key}= (a vLLM SamplingParams field): {hint}"
+                    )
+                raise TypeError(f"GenerationParams has no field {key!r}; its fields: {', '.join(names)}")
+        init(self, *args, **kw)
+
+    return __init__
+
+
+GenerationParams.__init__ = _refuse_unknown(GenerationParams.__init__)  # type: ignore[method-assign]

@@ -20,7 +20,8 @@ class RequestSpec:
     grammar (False; True: the batcher's grammar; or a :class:`tfuture.grammars.Grammar` of its
     own), sampling parameters (None: the sampler's defaults, greedy) and stop token ids (None:
     the batcher's ``eos``; an empty collection: stop only at the length limit or the grammar's
-    end), kept as a frozenset."""
+    end), kept as a frozenset; ``drafts``: False makes it decode plainly under a speculative
+    scheduler (``ContinuousBatcher(speculative=k)``)."""
 
     rid: int
     arrival: int
@@ -29,6 +30,7 @@ class RequestSpec:
     grammar: bool | Grammar = False
     params: SamplingParams | None = None
     stop: Collection[int] | None = None
+    drafts: bool = True  # a speculative scheduler's drafts for it (False: plain decoding)
 
     def __post_init__(self) -> None:
         for name in ("rid", "arrival", "max_new"):

@@ -9,8 +9,13 @@ thread. They touch only a queue and a set under :attr:`ServingScheduler.lock`; t
 host thread takes both at the start of :meth:`~ServingScheduler.schedule` and applies them
 there, so the request state the step loop reads (the running set, pending tokens, consumed
 handles) changes on that one thread only. Callbacks run on the runtime's host thread, inside
-``schedule`` (aborts) or ``process`` (tokens): keep them short; an exception in one stops the
-run like any scheduler error.
+``schedule`` (aborts) or ``process`` (tokens): keep them short. A request's callback that raises
+an ``Exception`` ends that request only: it finishes with reason ``"error"`` and the exception
+(``TokenUpdate.error``, ``Completion.error``), its callback hears that last update, and the run
+goes on for the others (an exception on the request's own last update is warned about, a
+``RuntimeWarning``, and recorded in :attr:`ServingScheduler.completions`). An exception in
+``on_update``, or a ``BaseException`` such as ``KeyboardInterrupt``, stops the run like any
+scheduler error.
 
 Abort semantics: an aborted request that waits is dropped; a running one is marked finished
 (reason ``"abort"``) at the next ``schedule``, leaves the running set like a request that hit
@@ -26,8 +31,9 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tfuture.core.batch import Batch, StepResult
@@ -42,13 +48,17 @@ __all__ = ["Completion", "RequestTimings", "ServingScheduler", "TokenUpdate", "U
 class RequestTimings:
     """Host times of one request (``time.perf_counter()`` seconds), stamped when the scheduler
     adds it and when it processes its tokens (so under overlap a token is stamped one step
-    after its forward was launched, when the host sees it)."""
+    after its forward was launched, when the host sees it), and its counts: tokens, model steps
+    that gave it tokens, and (speculative decoding) drafts verified and accepted."""
 
     submitted: float
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
     n_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def ttft(self) -> float | None:
@@ -72,7 +82,7 @@ class RequestTimings:
 class Completion:
     """A finished request: its prompt and generated token ids (the stop token included), why it
     finished (:data:`tfuture.scheduler.batcher.FINISH_REASONS`), its timings, and for
-    ``"error"`` the exception that stopped the run."""
+    ``"error"`` the exception: the run's, or the one its callback raised."""
 
     rid: int
     prompt_token_ids: list[int]
@@ -89,7 +99,8 @@ class TokenUpdate:
     ``tokens`` are the tokens processed since the last update (empty for an abort); the last
     update of a request has ``finished=True``, its ``finish_reason`` and ``completion``.
     ``text`` is the decoded text delta when a tokenizer is known (the engine fills it), and
-    ``error`` the exception that stopped the run (``finish_reason == "error"``).
+    ``error`` the exception that ended it (``finish_reason == "error"``): the run's failure, or
+    the one the request's own callback raised.
     """
 
     rid: int
@@ -126,12 +137,15 @@ class ServingScheduler(ContinuousBatcher):
         retain: keep each finished request's :class:`Completion` in :attr:`completions` (and
             its tokens in ``outputs``); False forgets them once delivered (a long-lived server).
         kw: :class:`ContinuousBatcher`'s options (``max_running``, ``chunk``,
-            ``token_budget``, ``grammar``, ``mask``, ``delay``, ``history_rows``, ...); the
+            ``token_budget``, ``grammar``, ``mask``, ``delay``, ``history_rows``,
+            ``speculative``, ...); the
             defaults here are a server's: prompt chunks of 512 tokens, 2048 tokens a step.
 
     Finish reasons: ``"stop"`` (one of the request's stop tokens), ``"length"`` (``max_new``
     tokens), ``"grammar"`` (its matcher terminated on a token that is not a stop token),
-    ``"abort"`` (:meth:`abort`), ``"error"`` (the run failed: :meth:`fail`).
+    ``"abort"`` (:meth:`abort`), ``"error"`` (the run failed: :meth:`fail`; or the request's
+    callback raised, which ends that request only), ``"invalid"`` (its grammar accepted an
+    output that is not valid: JSON with a raw control character, xgrammar #800).
     """
 
     def __init__(
@@ -258,6 +272,7 @@ class ServingScheduler(ContinuousBatcher):
                 continue
             new = r.out[n0:]
             t = live.timings
+            t.steps, t.drafted, t.accepted = r.steps, r.drafted, r.accepted
             if new:
                 if t.first_token is None:
                     t.first_token = now
@@ -267,7 +282,10 @@ class ServingScheduler(ContinuousBatcher):
                 assert r.reason is not None
                 self._complete(r.spec.rid, r.out, new, r.reason, now)
             else:
-                self._emit(live, TokenUpdate(r.spec.rid, new, False))
+                error = self._emit(live, TokenUpdate(r.spec.rid, new, False))
+                if error is not None:  # its callback failed: this request ends, the others go on
+                    self._finish(r, "error")
+                    self._complete(r.spec.rid, r.out, [], "error", now, error)
 
     def _complete(
         self,
@@ -287,13 +305,34 @@ class ServingScheduler(ContinuousBatcher):
         else:
             self.outputs.pop(rid, None)
             self.finish_reasons.pop(rid, None)
-        self._emit(live, TokenUpdate(rid, new, True, reason, done, error=error))
+        failed = self._emit(live, TokenUpdate(rid, new, True, reason, done, error=error))
+        if failed is not None and failed is not error:
+            # The request had finished already: its callback heard its end. Nothing is left to
+            # stop; the failure is recorded (retain) and warned about, never dropped silently.
+            if self.retain:
+                self.completions[rid] = replace(done, finish_reason="error", error=failed)
+                self.finish_reasons[rid] = "error"
+            warnings.warn(
+                f"request {rid}'s callback raised on its last update ({type(failed).__name__}: "
+                f"{failed}); the request had finished with reason {reason!r}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
-    def _emit(self, live: _Live, update: TokenUpdate) -> None:
+    def _emit(self, live: _Live, update: TokenUpdate) -> Exception | None:
+        """Send ``update`` to the request's callback, then to :attr:`on_update`. A request's
+        callback that raises an ``Exception`` is contained (returned: the caller ends that
+        request with reason ``"error"``), so one caller's bug never stops the others' requests;
+        ``on_update`` (the scheduler's owner's) and a ``BaseException`` (Ctrl-C) stop the run."""
+        error: Exception | None = None
         if live.callback is not None:
-            live.callback(update)
+            try:
+                live.callback(update)
+            except Exception as e:
+                error = e
         if self.on_update is not None:
             self.on_update(update)
+        return error
 
     def end_run(self) -> None:
         """After a run that ended normally: forget finished requests (the runtime's ``close``

@@ -18,6 +18,7 @@ import torch
 from tfuture.core.batch import ForwardBatch
 from tfuture.core.rows import RowAllocator, RowsFull
 from tfuture.spec.drafter import DraftContext
+from tfuture.spec.ngram_cpu import draft_numpy
 
 __all__ = ["NGramDrafter"]
 
@@ -64,6 +65,10 @@ class NGramDrafter:
         self._rows = RowAllocator(max_requests)
 
     def _rows_of(self, req_ids: np.ndarray) -> torch.Tensor:
+        assert self.history is not None
+        return torch.from_numpy(self._host_rows(req_ids)).to(self.history.device, non_blocking=True)
+
+    def _host_rows(self, req_ids: np.ndarray) -> np.ndarray:
         try:
             rows, _ = self._rows.rows_or_take(req_ids)
         except RowsFull as full:
@@ -71,8 +76,7 @@ class NGramDrafter:
                 f"NGramDrafter: request {full.rid} needs a history row and all {self._rows.n} are held "
                 "by live requests (bind with max_requests >= the scheduler's max_running)"
             ) from None
-        assert self.history is not None
-        return torch.from_numpy(rows).to(self.history.device, non_blocking=True)
+        return rows
 
     def observe(self, fwd: ForwardBatch) -> None:
         hist = self.history
@@ -92,12 +96,34 @@ class NGramDrafter:
     def draft(self, ctx: DraftContext) -> torch.Tensor:
         hist = self.history
         assert hist is not None
-        n, width = ctx.committed.shape
+        n = ctx.committed.shape[0]
         dev = hist.device
         if not n:
             return torch.zeros(0, self.k, dtype=torch.int64, device=dev)
-        rows = self._rows_of(ctx.req_ids)
         max_len = hist.shape[1]
+        bound = min(max(int(ctx.max_len), 1), max_len)
+        if dev.type == "cpu":  # the numpy twin: a few microseconds an op instead of several
+            drafts = draft_numpy(
+                hist.numpy(),
+                self._host_rows(ctx.req_ids),
+                ctx.committed.numpy(),
+                ctx.n_commit.numpy(),
+                ctx.seq_lens.numpy(),
+                bound,
+                self.k,
+                self.max_ngram,
+                self.min_ngram,
+            )
+            return torch.from_numpy(drafts)
+        return self._draft_torch(ctx, bound)
+
+    def _draft_torch(self, ctx: DraftContext, bound: int) -> torch.Tensor:
+        """:meth:`draft` in torch ops (a device history), ``bound`` positions searched."""
+        hist = self.history
+        assert hist is not None
+        n, width = ctx.committed.shape
+        dev, max_len = hist.device, hist.shape[1]
+        rows = self._rows_of(ctx.req_ids)
         lens = ctx.seq_lens.clamp(1, max_len)
         # The committed tokens at their positions (entries past n_commit write nothing new:
         # they go to the last committed position again, with its own token).
@@ -106,7 +132,6 @@ class NGramDrafter:
         pos = (lens - ctx.n_commit).unsqueeze(1) + take
         toks = ctx.committed.gather(1, take)
         hist.index_put_((rows.unsqueeze(1).expand(n, width), pos.clamp(0, max_len - 1)), toks)
-        bound = min(max(int(ctx.max_len), 1), max_len)
         h = hist.index_select(0, rows)[:, :bound]
         lens = lens.clamp_max(bound)
         last = h.gather(1, (lens - 1).unsqueeze(1))

@@ -50,37 +50,27 @@ __all__ = ["SpecTokenStep"]
 _NONE = np.empty(0, dtype=np.int64)
 
 
-class DraftInputs(NamedTuple):
-    """The token step's staged arrays, then the speculative ones (host int64, device views)."""
-
-    tokens: Any
-    seg_starts: Any
-    prefix_lens: Any
-    req_ids: Any
-    seq_lens: Any
-    sample_reqs: Any
-    late: Any
-    now: Any
-    sampler_words: Any
-    store_slots: Any
-    vrows: Any  # [R] the verification rows (token rows), request by request
-    draft_src: Any  # [R] the token row of the draft each row checks (itself at a last row)
-    is_draft: Any  # [R] 1 at rows that check a draft
-    pad_pos: Any  # [R] i * width + j
-    spec_reqs: Any  # [S] requests that verify (indices into the batch)
-    spec_slots: Any  # [S] the slot of each one's first input (its seq_len field)
-    spec_prefix: Any  # [S] the host's prefix bound of each
-    spec_tok: Any  # [T] token rows of their segments
-    spec_tok_of: Any  # [T] which of the S each row belongs to
-    n_verify: Any  # [n_sample] drafts verified per sampling request
-    sample_idx: Any  # [n_sample] the sampling requests (indices into the batch)
-    out_req: Any  # [n_out] the sampling request of each out slot
-    out_first: Any  # [n_sample] each request's first out slot (its last committed token)
-    out_draft: Any  # [D] out slots that take drafts
-    draft_at: Any  # [D] their index into the drafter's flat [n_sample * k] drafts
-    params: Any  # [3 * R] float64 bits, [R] top_k, [R] seeds: when some row samples
-    penalties: Any  # PenaltyPlan.words, when some row has penalties
-    hist_req: Any  # [n_sample] each sampling request's history row (0: none), with penalties
+#: The speculative step's staged arrays, after the token step's own (:class:`TokenInputs`):
+#: ``vrows [R]`` the verification rows (token rows), request by request; ``draft_src [R]`` the
+#: token row of the draft each row checks (itself at a last row); ``is_draft [R]`` 1 at rows
+#: that check a draft; ``pad_pos [R]`` ``i * width + j``; ``spec_reqs [S]`` the requests that
+#: verify, ``spec_slots [S]`` the slot of each one's first input (its ``seq_len`` field),
+#: ``spec_prefix [S]`` the host's prefix bound of each, ``spec_tok [T]`` their segments' token
+#: rows and ``spec_tok_of [T]`` which of the S each belongs to; per sampling request
+#: ``n_verify`` and ``sample_idx`` (its index in the batch); ``out_req [n_out]`` the sampling
+#: request of each out slot, ``out_first [n_sample]`` each one's first slot (its last committed
+#: token), ``out_draft [D]`` the slots that take drafts and ``draft_at [D]`` their index into
+#: the drafter's flat ``[n_sample * k]`` drafts; ``params`` (``[3 * R]`` float64 bits, ``[R]``
+#: top_k, ``[R]`` seeds, when a row samples), ``penalties`` (:class:`PenaltyPlan` words) and
+#: ``hist_req [n_sample]`` (history rows, with penalties).
+DRAFT_FIELDS = (
+    "vrows", "draft_src", "is_draft", "pad_pos", "spec_reqs", "spec_slots", "spec_prefix", "spec_tok",
+    "spec_tok_of", "n_verify", "sample_idx", "out_req", "out_first", "out_draft", "draft_at", "params",
+    "penalties", "hist_req",
+)  # fmt: skip
+DraftInputs = NamedTuple(  # type: ignore[misc]  # the field list is TokenInputs' plus ours
+    "DraftInputs", [(name, Any) for name in (*TokenInputs._fields, *DRAFT_FIELDS)]
+)
 
 
 class SpecState(TokenState):
@@ -118,7 +108,9 @@ class SpecTokenStep(TokenStep):
     """
 
     keeps_out = True  # drafts live only in the slots: sync mode names its last step's slots too
-    stream_ops = (*TokenStep.stream_ops, "verify", "draft", "draft_release")
+    # The ops it runs (a fault plan may name only these): the token step's sample, sample_now
+    # and replay become verify and draft; the drafter's ended rows go back in prepare.
+    stream_ops = ("prepare", "copy", "debug", "release", "forward", "verify", "draft", "store")
     state_type = SpecState
 
     def __init__(self, model: Model, drafter: Drafter, sampler: Sampler | None = None) -> None:
@@ -187,7 +179,7 @@ class SpecTokenStep(TokenStep):
         params = _NONE
         if rp is not None and rp.sampled:
             params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
-        staged = DraftInputs(
+        staged = DraftInputs(  # type: ignore[call-arg]
             *inputs,
             vrows,
             draft_src,
@@ -229,14 +221,10 @@ class SpecTokenStep(TokenStep):
             seq_lens = fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
             fwd = fwd._replace(positions=positions, seq_lens=seq_lens)
         state.fwd = fwd._replace(sample_rows=inputs.vrows)
+        if state.ended.size:
+            # Before observe: a request admitted in this step may take an ended request's row.
+            self.drafter.release(state.ended)
         self.drafter.observe(state.fwd)
-
-    def forward_ops(self, rec: InFlight) -> list[Op]:
-        ops = super().forward_ops(rec)
-        ended = rec.state.ended
-        if ended.size:
-            ops.insert(0, ("draft_release", lambda: self.drafter.release(ended)))
-        return ops
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
         if mask is not None:
@@ -249,7 +237,7 @@ class SpecTokenStep(TokenStep):
 
     def _verify(self, rec: InFlight) -> None:
         state: SpecState = rec.state
-        inputs: DraftInputs = rec.state.inputs
+        inputs: Any = rec.state.inputs
         fwd, n = state.fwd, state.n_sample
         assert fwd is not None
         logits = state.logits
@@ -304,7 +292,7 @@ class SpecTokenStep(TokenStep):
 
     def _draft(self, rec: InFlight) -> None:
         state: SpecState = rec.state
-        inputs: DraftInputs = rec.state.inputs
+        inputs: Any = rec.state.inputs
         v = state.verified
         if v is None:
             return
@@ -333,7 +321,7 @@ class SpecTokenStep(TokenStep):
         if state.verified is None:
             return
         assert self.fmap is not None and self.fields is not None and state.new_len is not None
-        inputs: DraftInputs = rec.state.inputs
+        inputs: Any = rec.state.inputs
         assert state.store_tokens is not None
         self.fmap.launch_store(rec.out, state.store_tokens)
         self.fields.store(rec.out, {"seq_len": state.new_len.index_select(0, inputs.out_req)})

@@ -181,6 +181,11 @@ class CpuStream(ForwardStream):
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def wait_worker(self) -> None:
+        """Block until the worker thread has exited (after :meth:`close`, or an abandoned one:
+        once the op it was running has finished)."""
+        self._thread.join()
+
 
 _DONE = Marker(done=True)
 

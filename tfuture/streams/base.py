@@ -174,6 +174,15 @@ class ForwardStream(ABC):
     def failed(self) -> bool:
         return self._error is not None
 
+    @property
+    def alive(self) -> bool:
+        """True while an op of this stream may still run on a worker of its own (a CPU worker
+        whose close was interrupted); False for a stream without one."""
+        return False
+
+    def wait_worker(self) -> None:  # noqa: B027 - nothing to wait for without a worker
+        """Block until no op of this stream runs any more (see :attr:`alive`)."""
+
     @abstractmethod
     def submit(self, name: str, step: int, fn: Callable[[], object]) -> None:
         """Enqueue ``fn`` (op ``name`` of step ``step``) after everything submitted before."""

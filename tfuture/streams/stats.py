@@ -151,10 +151,13 @@ class RunStats:
         self._accounted = True
 
     def summary(self) -> str:
+        """One line: steps, wall time, tokens/s, and the device's idle share (a run with steps
+        but no device spans was not traced: ``trace=True`` records them)."""
+        traced = self.device_busy > 0 or not self.steps
+        idle = f"device idle {100 * self.idle_fraction:.1f}%" if traced else "device idle not traced"
         return (
             f"{self.mode}: {self.steps} steps in {self.wall:.3f} s ({self.step_time * 1e3:.3f} ms/step), "
-            f"{self.tokens} tokens ({self.tokens_per_s:.0f} tokens/s), "
-            f"device idle {100 * self.idle_fraction:.1f}%"
+            f"{self.tokens} tokens ({self.tokens_per_s:.0f} tokens/s), {idle}"
         )
 
     def write_chrome_trace(self, path: str) -> None:

@@ -47,6 +47,7 @@ def measure(
             token_budget=4 * batch,
             host_work_s=t_cpu,
             host_work_holds_gil=gil,
+            trace=True,  # the device's busy and idle times
         )
         assert fmap.in_use == 0, "slots left in use at idle"
         runs.append(stats)

@@ -75,7 +75,7 @@ def run_distributed_demo(args: argparse.Namespace) -> int:
                     64, d_model=64, n_heads=4 * ctx.tp, n_layers=2 * ctx.pp, max_requests=args.batch,
                     max_len=args.steps + 8, device=dev, ctx=ctx, work_s=t_dev / world,
                 )  # fmt: skip
-                runtime = ParallelRuntime(model, fmap, ctx, overlap=overlap)
+                runtime = ParallelRuntime(model, fmap, ctx, overlap=overlap, trace=bool(args.trace))
                 stats = runtime.run(groups)
                 outputs = {rid: out for g in groups for rid, out in g.outputs.items()}
                 if fmap.in_use:

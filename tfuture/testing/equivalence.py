@@ -60,15 +60,16 @@ def run_workload(
     grammar: ToyGrammar | None = None,
     debug: bool = False,
     sampler: Sampler | None = None,
+    trace: bool = False,
     **batcher_kw: Any,
 ) -> tuple[dict[int, list[int]], RunStats, ContinuousBatcher, FutureMap]:
     """Run ``specs`` through a :class:`ContinuousBatcher` on a fresh map; return the outputs.
 
     ``sampler``: tfuture's sampler instead of the model's ``sample`` (reset after each run, so
-    one instance serves several runs)."""
+    one instance serves several runs). ``trace``: record the run's spans (device idle, trace)."""
     fmap = FutureMap(capacity, device=device, debug=debug)
     sched = ContinuousBatcher(specs, fmap, grammar=grammar, **batcher_kw)
-    stats = OverlapRuntime(model, fmap, overlap=overlap, delay=delay, sampler=sampler).run(sched)
+    stats = OverlapRuntime(model, fmap, overlap=overlap, delay=delay, sampler=sampler, trace=trace).run(sched)
     return sched.outputs, stats, sched, fmap
 
 

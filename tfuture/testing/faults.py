@@ -168,6 +168,13 @@ class FaultyStream(ForwardStream):
     def failed(self) -> bool:
         return self.inner.failed
 
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+    def wait_worker(self) -> None:
+        self.inner.wait_worker()
+
     def close(self) -> None:
         self.inner.close()
 
