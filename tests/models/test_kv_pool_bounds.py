@@ -183,3 +183,24 @@ def test_requests_out_of_row_order_attend_over_their_own_rows():
     for q, (keys, vals) in enumerate(want):
         expect = (torch.softmax(keys * HEAD_DIM / HEAD_DIM**0.5, 0) * vals).sum()
         torch.testing.assert_close(out[0, q, 0], torch.full((HEAD_DIM,), float(expect)))
+
+
+@pytest.mark.parametrize(("prefix", "width"), [([2, 3, 1], 1), ([0, 1, 0], 2)])
+def test_a_dense_step_builds_the_layout_of_the_ragged_index_math_with_fewer_ops(prefix, width):
+    from tfuture.models import kv_pool
+
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 3, 1], [4, 5, 6]))
+    batch = step(prefix, [width] * 3, [4, 5, 6])
+    with _CountOps() as counted:
+        layout = StepLayout.build(kv, batch)
+    # No per-token request index (repeat_interleave over segment lengths) to gather with, no
+    # clamping of padding columns (there are none).
+    assert layout.dense and "index_select" not in counted.ops and "minimum" not in counted.ops
+    assert "repeat_interleave" not in counted.ops
+    n_tok = 3 * width
+    tok_rows, pad_idx, pre, cols = kv_pool._ragged_index(batch, layout.req_rows, n_tok, width)
+    assert torch.equal(layout.tok_rows, tok_rows) and torch.equal(layout.pad_idx, pad_idx)
+    last_key = (pre[:, None] + cols)[:, None, :, None]
+    assert torch.equal(layout.mask, torch.arange(layout.kv_len) <= last_key)
+    assert torch.equal(layout.tok_flat, tok_rows * MAX_LEN + batch.positions[:n_tok])

@@ -182,18 +182,15 @@ class StepLayout:
         rows = torch.from_numpy(pool.rows_of(host.req_ids, host.prefix_lens))
         # Pinned: an async H2D copy; from pageable memory the host would wait for the stream.
         req_rows = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
-        starts = batch.seg_starts[: n_reqs + 1]
-        seg_lens = starts[1:] - starts[:-1]
-        tok_req = torch.repeat_interleave(torch.arange(n_reqs, device=dev), seg_lens, output_size=n_tok)
-        offset = torch.arange(n_tok, device=dev) - starts.index_select(0, tok_req)
-        prefix = batch.seq_lens[:n_reqs] - seg_lens
-        # Padding rows (offset >= seg_len) stand at the request's last token.
-        cols = torch.minimum(torch.arange(width, device=dev)[None, :], (seg_lens - 1).clamp(min=0)[:, None])
+        dense = n_tok == n_reqs * width
+        tok_rows, pad_idx, prefix, cols = (_dense_index if dense else _ragged_index)(
+            batch, req_rows, n_tok, width
+        )
         last_key = (prefix[:, None] + cols)[:, None, :, None]  # [n_reqs, 1, width, 1]
         keys = torch.arange(kv_len, device=dev)
         causal = keys <= last_key
         windowed = {w: causal & (keys > last_key - w) for w in set(pool.windows) if w is not None}
-        tok_rows, tok_pos = req_rows.index_select(0, tok_req), batch.positions[:n_tok]
+        tok_pos = batch.positions[:n_tok]
         return StepLayout(
             pool,
             n_reqs,
@@ -202,11 +199,11 @@ class StepLayout:
             req_rows,
             tok_rows,
             tok_pos,
-            tok_req * width + offset,
+            pad_idx,
             _as_mask(causal, additive),
             {w: _as_mask(m, additive) for w, m in windowed.items()},
             tok_rows * pool.max_len + tok_pos,
-            n_tok == n_reqs * width,
+            dense,
         )
 
     def attend(
@@ -237,6 +234,35 @@ class StepLayout:
         out = attn(padded, keys.to(q.dtype), values.to(q.dtype), mask)
         out = out.reshape(self.n_reqs * self.width, n_heads, -1)
         return (out if self.dense else out.index_select(0, self.pad_idx)).unsqueeze(0)
+
+
+# (batch, req_rows [n_reqs], n_tok, width) -> (tok_rows [n_tok], pad_idx [n_tok], prefix [n_reqs],
+# cols [n_reqs or 1, width]): each token's cache row and padded row, each request's cached
+# tokens, and the offset within its segment that each padded column stands at.
+def _ragged_index(
+    batch: ForwardBatch, req_rows: torch.Tensor, n_tok: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev, n_reqs = req_rows.device, req_rows.numel()
+    assert batch.seg_starts is not None
+    starts = batch.seg_starts[: n_reqs + 1]
+    seg_lens = starts[1:] - starts[:-1]
+    tok_req = torch.repeat_interleave(torch.arange(n_reqs, device=dev), seg_lens, output_size=n_tok)
+    offset = torch.arange(n_tok, device=dev) - starts.index_select(0, tok_req)
+    prefix = batch.seq_lens[:n_reqs] - seg_lens
+    # Padding rows (offset >= seg_len) stand at the request's last token.
+    cols = torch.minimum(torch.arange(width, device=dev)[None, :], (seg_lens - 1).clamp(min=0)[:, None])
+    return req_rows.index_select(0, tok_req), tok_req * width + offset, prefix, cols
+
+
+def _dense_index(
+    batch: ForwardBatch, req_rows: torch.Tensor, n_tok: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_ragged_index` when every request runs ``width`` tokens (decode steps): token ``t``
+    is request ``t // width`` at offset ``t % width``, and no column is padding."""
+    dev = req_rows.device
+    tok_rows = req_rows if width == 1 else req_rows.repeat_interleave(width, output_size=n_tok)
+    prefix = batch.seq_lens[: req_rows.numel()] - width
+    return tok_rows, torch.arange(n_tok, device=dev), prefix, torch.arange(width, device=dev)[None, :]
 
 
 def _as_mask(visible: torch.Tensor, additive: torch.dtype | None) -> torch.Tensor:
