@@ -37,6 +37,7 @@ BENCHES = [
     "bench_distributed",
     "bench_hf",
     "bench_spec",
+    "bench_generate",
 ]
 # What a full run rewrites: files a run of older benchmarks left behind go too.
 OWNED = (".csv", ".png", ".html", "meta.json", "summary.json", "README.md")

@@ -171,3 +171,32 @@ def test_the_overlap_ratio_plot_draws_the_sync_2x_bound() -> None:
     )
     bounds = [r for r in bench_overlap.look(ratio).refs if r.y == 2.0]
     assert len(bounds) == 1 and "sync" in bounds[0].label and "2" in bounds[0].label
+
+
+def test_bench_generate_plots_every_model_and_thread_count_with_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One tokens/s plot per (model, torch threads), lines overlap, sync and hf; tfuture's
+    tokens are checked against HF greedy (the padded batch, else each request unpadded)."""
+    from perf import bench_generate as bg
+
+    benches = bg.generate_report.benchmarks
+    assert [(b.args["size"], b.args["threads"]) for b in benches] == [
+        (s, t) for s in bg.SIZES for t in bg.THREADS
+    ]
+    for b in benches:
+        look = bg._look(b)
+        assert (
+            "tokens/s" in look.what
+            and "per second" in look.ylabel
+            and b.line_names == ["overlap", "sync", "hf"]
+        )
+    same = {"overlap": [[1, 2]], "sync": [[1, 2]], "hf": [[1, 2]]}
+    bg.check_tokens(None, [[5]], 2, same)  # the padded batch agrees: nothing more runs
+    monkeypatch.setattr(bg, "hf_run", lambda model, ps, new: (0.0, [[1, 3]]))
+    with pytest.raises(AssertionError, match="request 0"):
+        bg.check_tokens(None, [[5]], 2, same | {"hf": [[9, 9]]})
+    with pytest.raises(AssertionError, match="overlap and sync"):
+        bg.check_tokens(None, [[5]], 2, same | {"sync": [[1, 3]]})
+    monkeypatch.setattr(bg, "hf_run", lambda model, ps, new: (0.0, [[1, 2]]))
+    bg.check_tokens(None, [[5]], 2, same | {"hf": [[9, 9]]})  # unpadded HF agrees

@@ -80,19 +80,42 @@ def test_step_clock_leaves_out_fill_and_host_work() -> None:
 def test_contract_judges_the_rows_the_runtime_benchmarks_write() -> None:
     summary = {
         "runtime_overhead": {
-            "thread_cpu_over_hand": {"runtime_sync_inline": {"16": 1.1, "64": 1.3}},
+            "thread_cpu_over_floor": {"runtime_sync_inline": {"16": 1.1, "64": 1.3}},
             "thread_cpu_over_minimal": {"runtime_sync_inline": {"16": 2.0, "64": 2.5}},
+            "trace_cost": {"16": 1.08, "64": 1.09},
         },
+        "host_cycle": {"tfuture_over_pool_indexed": [1.4, 1.45], "tfuture_over_seed_ring": [0.7, 0.81]},
         "overlap": {"step_over_nominal": {"overlap_batch16": {"0.5": 3.0, "1": 1.4, "4": 1.2, "10": 1.05}}},
     }
     rows = {t[3]: contract.judge("", summary, False, t) for t in contract.TARGETS}
-    hand = rows["runtime_overhead.thread_cpu_over_hand.runtime_sync_inline"]
-    assert hand["status"] == "MISS" and hand["measured"] == 1.3
+    floor = rows["runtime_overhead.thread_cpu_over_floor.runtime_sync_inline"]
+    assert floor["status"] == "MISS" and floor["measured"] == 1.3
     assert rows["runtime_overhead.thread_cpu_over_minimal.runtime_sync_inline"]["status"] == "pass"
-    assert rows["runtime_overhead.thread_cpu_over_hand.runtime_overlap_auto"]["status"] == "needs GPU"
+    assert rows["runtime_overhead.thread_cpu_over_floor.runtime_overlap_auto"]["status"] == "needs GPU"
+    # The re-based limits: tracing <= 1.10x, host cycle <= 1.5x pool-indexed and <= 0.8x seed ring.
+    assert rows["runtime_overhead.trace_cost"]["status"] == "pass"
+    assert rows["host_cycle.tfuture_over_pool_indexed"]["status"] == "pass"
+    assert rows["host_cycle.tfuture_over_seed_ring"]["status"] == "MISS"
     assert rows["overlap.step_over_nominal.overlap_batch16.1"]["status"] == "pass"
     assert rows["overlap.step_over_nominal.overlap_batch16.4"]["status"] == "MISS"
     assert rows["overlap.step_over_nominal.overlap_batch64.4"]["status"] == "no data"
+
+
+def test_contract_judges_every_cell_of_bench_generate() -> None:
+    """One row per (model, threads, batch) cell: overlap >= 1.0x HF generate and >= 0.98x sync."""
+    from perf import bench_generate
+
+    key = bench_generate.cell("3M", 1, 8)
+    summary = {"generate": {"overlap_over_hf": {key: 0.9}, "overlap_over_sync": {key: 0.99}}}
+    rows = {t[3]: contract.judge("", summary, False, t) for t in contract.TARGETS}
+    assert rows[f"generate.overlap_over_hf.{key}"]["status"] == "MISS"
+    assert rows[f"generate.overlap_over_sync.{key}"]["status"] == "pass"
+    cells = [f"{s}_t{t}_b{b}" for s in ("3M", "80M") for t in (1, 2) for b in (1, 8, 32)]
+    for ratio in ("overlap_over_hf", "overlap_over_sync"):
+        assert {w for w in rows if w.startswith(f"generate.{ratio}.")} == {
+            f"generate.{ratio}.{c}" for c in cells
+        }
+    assert rows["generate.overlap_over_hf.80M_t2_b32"]["status"] == "no data"
 
 
 @pytest.mark.parametrize("n", [1, 5, 64])

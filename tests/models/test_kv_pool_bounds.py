@@ -7,10 +7,13 @@ on release; the attention mask is causal per request with each token seeing its 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tfuture.core.batch import ForwardBatch, HostMeta
 from tfuture.models.kv_pool import KVPool, StepLayout
@@ -132,3 +135,72 @@ def test_window_and_value_shape_arguments():
         KVPool(3, 1, 8, 2, 6, dtype=torch.float32, device=cpu, windows=[2, 2])
     with pytest.raises(ValueError, match=r"a layer's window must be None or an int >= 1, got 0"):
         KVPool(1, 1, 8, 2, 6, dtype=torch.float32, device=cpu, windows=[0])
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten ops run under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_attends_without_padding_and_writes_the_cache_with_one_index():
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 3, 1], [4, 5, 6]))
+    decode = step([2, 3, 1], [1, 1, 1], [4, 5, 6])
+    layout = StepLayout.build(kv, decode)
+    assert layout.dense
+    assert not StepLayout.build(kv, step([2, 1], [1, 2], [4, 6])).dense
+    k = torch.full((1, HEADS, 3, HEAD_DIM), 9.0)
+    with _CountOps() as counted:
+        out = layout.attend(0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn)
+    # Packed rows are the padded rows: no zero-filled buffer, no scatter into it, no gather out.
+    assert "new_zeros" not in counted.ops and counted.ops.count("index_select") == 2
+    assert "index_put_" not in counted.ops and counted.ops.count("index_copy_") == 2
+    # The general path on the same step (rewriting the same keys) gives the same output.
+    general = dataclasses.replace(layout, dense=False)
+    assert torch.equal(out, general.attend(0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn))
+    for pos, rid in ((2, 4), (3, 5), (1, 6)):
+        assert torch.equal(kv.k[0, kv.rows[rid], pos], torch.full((HEADS, HEAD_DIM), 9.0))
+
+
+def test_requests_out_of_row_order_attend_over_their_own_rows():
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 3, 1], [4, 5, 6]))
+    layout = StepLayout.build(kv, step([1, 2], [1, 1], [6, 4]))  # rows 2, 0
+    with _CountOps() as counted:
+        out = layout.attend(
+            0, torch.ones(1, HEADS, 2, HEAD_DIM), *[torch.full((1, HEADS, 2, HEAD_DIM), 9.0)] * 2, attn
+        )
+    assert counted.ops.count("index_select") == 2
+    # Request 6 sees keys 1 (position 0) and 9 (its new one); request 4 sees 1, 2 and 9.
+    want = [(torch.tensor([1.0, 9.0]), torch.tensor([1.0, 9.0])), (torch.tensor([1.0, 2.0, 9.0]),) * 2]
+    for q, (keys, vals) in enumerate(want):
+        expect = (torch.softmax(keys * HEAD_DIM / HEAD_DIM**0.5, 0) * vals).sum()
+        torch.testing.assert_close(out[0, q, 0], torch.full((HEAD_DIM,), float(expect)))
+
+
+@pytest.mark.parametrize(("prefix", "width"), [([2, 3, 1], 1), ([0, 1, 0], 2)])
+def test_a_dense_step_builds_the_layout_of_the_ragged_index_math_with_fewer_ops(prefix, width):
+    from tfuture.models import kv_pool
+
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 3, 1], [4, 5, 6]))
+    batch = step(prefix, [width] * 3, [4, 5, 6])
+    with _CountOps() as counted:
+        layout = StepLayout.build(kv, batch)
+    # No per-token request index (repeat_interleave over segment lengths) to gather with, no
+    # clamping of padding columns (there are none).
+    assert layout.dense and "index_select" not in counted.ops and "minimum" not in counted.ops
+    assert "repeat_interleave" not in counted.ops
+    n_tok = 3 * width
+    tok_rows, pad_idx, pre, cols = kv_pool._ragged_index(batch, layout.req_rows, n_tok, width)
+    assert torch.equal(layout.tok_rows, tok_rows) and torch.equal(layout.pad_idx, pad_idx)
+    last_key = (pre[:, None] + cols)[:, None, :, None]
+    assert torch.equal(layout.mask, torch.arange(layout.kv_len) <= last_key)
+    assert torch.equal(layout.tok_flat, tok_rows * MAX_LEN + batch.positions[:n_tok])

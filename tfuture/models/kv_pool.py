@@ -144,7 +144,11 @@ class StepLayout:
     ``<= prefix[q] + i`` (padding rows see what the request's last token sees, so no softmax
     is empty); ``windowed[w]`` the same within window ``w`` (one per window of the pool's
     layers). Bool masks, or additive ones (0 or the dtype's minimum) when built with
-    ``additive=dtype`` (eager attention adds its mask to the scores).
+    ``additive=dtype`` (eager attention adds its mask to the scores). ``tok_flat [n_tok]``:
+    ``tok_rows * max_len + tok_pos``, the token's place in a layer's cache flattened over rows
+    and positions (one index for the cache write). ``dense``: every request runs ``width``
+    tokens (decode steps), so the padded rows are the packed ones in order and the attention
+    needs no scatter into padding nor gather out of it.
     """
 
     pool: KVPool
@@ -157,6 +161,8 @@ class StepLayout:
     pad_idx: torch.Tensor
     mask: torch.Tensor
     windowed: dict[int, torch.Tensor]
+    tok_flat: torch.Tensor
+    dense: bool
 
     @staticmethod
     def build(pool: KVPool, batch: ForwardBatch, *, additive: torch.dtype | None = None) -> StepLayout:
@@ -176,28 +182,28 @@ class StepLayout:
         rows = torch.from_numpy(pool.rows_of(host.req_ids, host.prefix_lens))
         # Pinned: an async H2D copy; from pageable memory the host would wait for the stream.
         req_rows = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
-        starts = batch.seg_starts[: n_reqs + 1]
-        seg_lens = starts[1:] - starts[:-1]
-        tok_req = torch.repeat_interleave(torch.arange(n_reqs, device=dev), seg_lens, output_size=n_tok)
-        offset = torch.arange(n_tok, device=dev) - starts.index_select(0, tok_req)
-        prefix = batch.seq_lens[:n_reqs] - seg_lens
-        # Padding rows (offset >= seg_len) stand at the request's last token.
-        cols = torch.minimum(torch.arange(width, device=dev)[None, :], (seg_lens - 1).clamp(min=0)[:, None])
+        dense = n_tok == n_reqs * width
+        tok_rows, pad_idx, prefix, cols = (_dense_index if dense else _ragged_index)(
+            batch, req_rows, n_tok, width
+        )
         last_key = (prefix[:, None] + cols)[:, None, :, None]  # [n_reqs, 1, width, 1]
         keys = torch.arange(kv_len, device=dev)
         causal = keys <= last_key
         windowed = {w: causal & (keys > last_key - w) for w in set(pool.windows) if w is not None}
+        tok_pos = batch.positions[:n_tok]
         return StepLayout(
             pool,
             n_reqs,
             width,
             kv_len,
             req_rows,
-            req_rows.index_select(0, tok_req),
-            batch.positions[:n_tok],
-            tok_req * width + offset,
+            tok_rows,
+            tok_pos,
+            pad_idx,
             _as_mask(causal, additive),
             {w: _as_mask(m, additive) for w, m in windowed.items()},
+            tok_rows * pool.max_len + tok_pos,
+            dense,
         )
 
     def attend(
@@ -208,20 +214,55 @@ class StepLayout:
         within the layer's window; returns ``[1, n_tok, heads, v_head_dim]``.
         """
         kc, vc = self.pool.k[layer], self.pool.v[layer]
-        kc[self.tok_rows, self.tok_pos] = k[0].transpose(0, 1).to(kc.dtype)
-        vc[self.tok_rows, self.tok_pos] = v[0].transpose(0, 1).to(vc.dtype)
+        # One flat index per token (rows x positions are contiguous in a layer's cache): an
+        # index_copy_ instead of index_put_ with two index tensors.
+        kc.flatten(0, 1).index_copy_(0, self.tok_flat, k[0].transpose(0, 1).to(kc.dtype))
+        vc.flatten(0, 1).index_copy_(0, self.tok_flat, v[0].transpose(0, 1).to(vc.dtype))
         # Only the first kv_len positions of each live row: [n_reqs, kv_heads, kv_len, head_dim].
         keys = kc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
         values = vc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
         n_heads, head_dim = q.shape[1], q.shape[3]
-        padded = q.new_zeros(self.n_reqs * self.width, n_heads, head_dim)
-        padded.index_copy_(0, self.pad_idx, q[0].transpose(0, 1))
+        packed = q[0].transpose(0, 1)  # [n_tok, heads, head_dim]
+        if self.dense:  # padded row q * width + i is packed token q * width + i
+            padded = packed.contiguous()
+        else:
+            padded = q.new_zeros(self.n_reqs * self.width, n_heads, head_dim)
+            padded.index_copy_(0, self.pad_idx, packed)
         padded = padded.view(self.n_reqs, self.width, n_heads, head_dim).transpose(1, 2)
         window = self.pool.windows[layer]
         mask = self.mask if window is None else self.windowed[window]
         out = attn(padded, keys.to(q.dtype), values.to(q.dtype), mask)
-        out = out.reshape(self.n_reqs * self.width, n_heads, -1).index_select(0, self.pad_idx)
-        return out.unsqueeze(0)
+        out = out.reshape(self.n_reqs * self.width, n_heads, -1)
+        return (out if self.dense else out.index_select(0, self.pad_idx)).unsqueeze(0)
+
+
+# (batch, req_rows [n_reqs], n_tok, width) -> (tok_rows [n_tok], pad_idx [n_tok], prefix [n_reqs],
+# cols [n_reqs or 1, width]): each token's cache row and padded row, each request's cached
+# tokens, and the offset within its segment that each padded column stands at.
+def _ragged_index(
+    batch: ForwardBatch, req_rows: torch.Tensor, n_tok: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev, n_reqs = req_rows.device, req_rows.numel()
+    assert batch.seg_starts is not None
+    starts = batch.seg_starts[: n_reqs + 1]
+    seg_lens = starts[1:] - starts[:-1]
+    tok_req = torch.repeat_interleave(torch.arange(n_reqs, device=dev), seg_lens, output_size=n_tok)
+    offset = torch.arange(n_tok, device=dev) - starts.index_select(0, tok_req)
+    prefix = batch.seq_lens[:n_reqs] - seg_lens
+    # Padding rows (offset >= seg_len) stand at the request's last token.
+    cols = torch.minimum(torch.arange(width, device=dev)[None, :], (seg_lens - 1).clamp(min=0)[:, None])
+    return req_rows.index_select(0, tok_req), tok_req * width + offset, prefix, cols
+
+
+def _dense_index(
+    batch: ForwardBatch, req_rows: torch.Tensor, n_tok: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_ragged_index` when every request runs ``width`` tokens (decode steps): token ``t``
+    is request ``t // width`` at offset ``t % width``, and no column is padding."""
+    dev = req_rows.device
+    tok_rows = req_rows if width == 1 else req_rows.repeat_interleave(width, output_size=n_tok)
+    prefix = batch.seq_lens[: req_rows.numel()] - width
+    return tok_rows, torch.arange(n_tok, device=dev), prefix, torch.arange(width, device=dev)[None, :]
 
 
 def _as_mask(visible: torch.Tensor, additive: torch.dtype | None) -> torch.Tensor:
