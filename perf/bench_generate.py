@@ -175,19 +175,14 @@ def measure(size: str, threads: int) -> dict[tuple[int, str], np.ndarray]:
 
 
 def _benchmark(size: str, threads: int) -> triton.testing.Benchmark:
-    return triton.testing.Benchmark(
-        x_names=["batch"],
-        x_vals=BATCHES,
-        x_log=False,
-        y_log=False,
-        line_arg="line",
-        line_vals=LINES,
-        line_names=LINES,
-        styles=STYLES,
-        xlabel="requests in the batch",
-        ylabel="tokens/s",
-        plot_name=f"generate_{size}_t{threads}_tokens_per_s",
-        args={"size": size, "threads": threads},
+    return harness.batch_sweep(
+        BATCHES,
+        LINES,
+        STYLES,
+        "requests in the batch",
+        "tokens/s",
+        f"generate_{size}_t{threads}_tokens_per_s",
+        {"size": size, "threads": threads},
     )
 
 

@@ -139,19 +139,13 @@ def measure(batch: int) -> dict[str, np.ndarray]:
 
 
 @triton.testing.perf_report(
-    triton.testing.Benchmark(
-        x_names=["batch"],
-        x_vals=BATCHES,
-        x_log=False,
-        y_log=False,
-        line_arg="line",
-        line_vals=LINES,
-        line_names=LINES,
-        styles=STYLES,
-        xlabel=f"requests ({DEVICE}; prompt {PROMPT}, {NEW} new tokens each, greedy)",
-        ylabel="tokens/s",
-        plot_name="hf_tokens_per_s",
-        args={},
+    harness.batch_sweep(
+        BATCHES,
+        LINES,
+        STYLES,
+        f"requests ({DEVICE}; prompt {PROMPT}, {NEW} new tokens each, greedy)",
+        "tokens/s",
+        "hf_tokens_per_s",
     )
 )
 def hf_tokens(batch: int, line: str) -> harness.Timing:

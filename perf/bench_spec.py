@@ -128,19 +128,15 @@ def measure() -> dict[tuple[str, int, str], np.ndarray]:
 
 
 def _benchmark(workload: str, metric: str) -> triton.testing.Benchmark:
-    return triton.testing.Benchmark(
-        x_names=["batch"],
-        x_vals=BATCHES,
-        x_log=False,
-        y_log=False,
-        line_arg="line",
-        line_vals=LINES,
-        line_names=LINES,
-        styles=STYLES,
-        xlabel="requests",
-        ylabel="tokens/s" if metric == "tokens" else "steps per token",
-        plot_name=f"spec_{workload}_{'tokens_per_s' if metric == 'tokens' else 'steps_per_token'}",
-        args={"workload": workload, "metric": metric},
+    tokens = metric == "tokens"
+    return harness.batch_sweep(
+        BATCHES,
+        LINES,
+        STYLES,
+        "requests",
+        "tokens/s" if tokens else "steps per token",
+        f"spec_{workload}_{'tokens_per_s' if tokens else 'steps_per_token'}",
+        {"workload": workload, "metric": metric},
     )
 
 

@@ -162,6 +162,34 @@ def host_us(fn: Callable[[], object], batch: Callable[[int], float] | None = Non
     return band(per_call)
 
 
+def batch_sweep(
+    x_vals: Sequence[int],
+    lines: Sequence[str],
+    styles: Sequence[tuple[str, str]],
+    xlabel: str,
+    ylabel: str,
+    plot_name: str,
+    args: dict[str, Any] | None = None,
+) -> Any:
+    """A ``triton.testing.Benchmark`` over ``batch`` (linear axes), one line per name in ``lines``."""
+    import triton
+
+    return triton.testing.Benchmark(
+        x_names=["batch"],
+        x_vals=list(x_vals),
+        x_log=False,
+        y_log=False,
+        line_arg="line",
+        line_vals=list(lines),
+        line_names=list(lines),
+        styles=list(styles),
+        xlabel=xlabel,
+        ylabel=ylabel,
+        plot_name=plot_name,
+        args=args or {},
+    )
+
+
 def band(samples: Sequence[float] | np.ndarray) -> Timing:
     """(median, p20, p80) of ``samples``."""
     return tuple(float(q) for q in np.quantile(np.asarray(samples, dtype=float), [0.5, 0.2, 0.8]))  # type: ignore[return-value]
