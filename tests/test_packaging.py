@@ -237,3 +237,17 @@ def test_every_documented_python_m_module_exists():
     assert "tfuture.testing.demo" in names
     missing = sorted(m for m in names if importlib.util.find_spec(m) is None)
     assert not missing, f"documented `python -m` modules that do not exist: {missing}"
+
+
+def test_test_modules_outside_packages_have_unique_basenames() -> None:
+    # pytest imports a test file outside a package by its basename: two of one name collide
+    # at collection and make test stops before it runs anything.
+    from collections import defaultdict
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, list[str]] = defaultdict(list)
+    for path in tests.rglob("test_*.py"):
+        if not (path.parent / "__init__.py").exists():
+            seen[path.name].append(str(path.relative_to(tests)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

@@ -13,7 +13,7 @@ The drafter has exactly ``max_running`` rows and the token budget is drawn small
 decodes wait for it: both failed before main's ab265e4 (a drafter row freed after the step that
 admits the next request took its rows; a waiting decode's drafts' slots released under it).
 The map is large: a map of one step's slots deadlocks (a strict xfail in
-``tests/spec/test_spec_faults.py``).
+``tests/spec/test_spec_step_faults.py``).
 """
 
 from __future__ import annotations
