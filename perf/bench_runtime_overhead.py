@@ -184,18 +184,18 @@ def runtime_per_step(max_running: int, impl: str, metric: str) -> harness.Timing
 
 def look(bench: triton.testing.Benchmark) -> harness.Look:
     """Per metric: its unit; on the contract's metric, the bounds of the judged runtime lines
-    against the hand loop of their mode (the contract judges batch 16 and 64)."""
+    against the checked floor of their mode (the contract judges batch 16 and 64)."""
     metric = bench.args["metric"]
     what = {"thread_cpu": "host thread CPU time", "cpu": "process CPU time", "wall": "wall time"}[metric]
     refs = []
     if metric == "thread_cpu":
         for mode in MODES:
-            path = f"runtime_overhead.thread_cpu_over_hand.runtime_{mode}_{JUDGED}"
+            path = f"runtime_overhead.thread_cpu_over_floor.runtime_{mode}_{JUDGED}"
             limit = next(t[2] for t in contract.TARGETS if t[3] == path)
             refs.append(
                 harness.Ref(
-                    f"contract: runtime_{mode}_{JUDGED} \u2264 {limit:g}{harness.TIMES}hand_{mode}",
-                    functools.partial(lambda lim, line, m: lim * m[line], limit, f"hand_{mode}"),
+                    f"contract: runtime_{mode}_{JUDGED} \u2264 {limit:g}{harness.TIMES}floor_{mode}",
+                    functools.partial(lambda lim, line, m: lim * m[line], limit, f"floor_{mode}"),
                     color="black",
                     ls=(0, (3, 1, 1, 1, 1, 1)) if mode == "overlap" else (0, (1, 1)),
                 )

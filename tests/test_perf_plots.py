@@ -200,3 +200,13 @@ def test_bench_generate_plots_every_model_and_thread_count_with_units(
         bg.check_tokens(None, [[5]], 2, same | {"sync": [[1, 3]]})
     monkeypatch.setattr(bg, "hf_run", lambda model, ps, new: (0.0, [[1, 2]]))
     bg.check_tokens(None, [[5]], 2, same | {"hf": [[9, 9]]})  # unpadded HF agrees
+
+
+def test_the_runtime_overhead_plot_bounds_the_runtime_by_the_contracts_floor() -> None:
+    # Its contract line follows perf/contract.py (a re-based target once left it naming a gone path).
+    from perf import bench_runtime_overhead as bench
+
+    marks = bench.runtime_per_step.benchmarks
+    looks = [bench.look(b) for b in (marks if isinstance(marks, list) else [marks])]
+    labels = [r.label for look in looks for r in look.refs]
+    assert labels and all("floor_" in label for label in labels)
