@@ -101,7 +101,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token_state"},  # a token step's records
     {"tfuture.steps.token", "tfuture.steps.speculative"},
-    {"tfuture.spec.step"},  # the token step with drafts
+    {"tfuture.spec.staging", "tfuture.spec.step"},  # the token step with drafts: its plan, its ops
     {"tfuture.grammars.*"},
     {"tfuture.runtime"},
     {"tfuture.scheduler.*"},  # ContinuousBatcher, ServingScheduler, RequestSpec, GenerationParams

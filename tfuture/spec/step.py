@@ -20,7 +20,7 @@ tensor/pipeline parallel with drafts. Each is refused with a ``ValueError``, nev
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,12 +34,11 @@ from tfuture.spec.batch import DraftBatch, DraftResult
 from tfuture.spec.drafter import DraftContext, Drafter
 from tfuture.spec.penalties import (
     PenaltyPlan,
-    drop_observations,
     penalise_rows,
-    plan_penalties,
     record_committed,
 )
-from tfuture.spec.verify import RowParams, row_params, verify_rows
+from tfuture.spec.staging import stage_drafts
+from tfuture.spec.verify import RowParams, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import mask_on_stream
 from tfuture.steps.token import TokenStep
@@ -48,29 +47,6 @@ from tfuture.steps.token_state import TokenInputs, TokenState
 __all__ = ["SpecTokenStep"]
 
 _NONE = np.empty(0, dtype=np.int64)
-
-
-#: The speculative step's staged arrays, after the token step's own (:class:`TokenInputs`):
-#: ``vrows [R]`` the verification rows (token rows), request by request; ``draft_src [R]`` the
-#: token row of the draft each row checks (itself at a last row); ``is_draft [R]`` 1 at rows
-#: that check a draft; ``pad_pos [R]`` ``i * width + j``; ``spec_reqs [S]`` the requests that
-#: verify, ``spec_slots [S]`` the slot of each one's first input (its ``seq_len`` field),
-#: ``spec_prefix [S]`` the host's prefix bound of each, ``spec_tok [T]`` their segments' token
-#: rows and ``spec_tok_of [T]`` which of the S each belongs to; per sampling request
-#: ``n_verify`` and ``sample_idx`` (its index in the batch); ``out_req [n_out]`` the sampling
-#: request of each out slot, ``out_first [n_sample]`` each one's first slot (its last committed
-#: token), ``out_draft [D]`` the slots that take drafts and ``draft_at [D]`` their index into
-#: the drafter's flat ``[n_sample * k]`` drafts; ``params`` (``[3 * R]`` float64 bits, ``[R]``
-#: top_k, ``[R]`` seeds, when a row samples), ``penalties`` (:class:`PenaltyPlan` words) and
-#: ``hist_req [n_sample]`` (history rows, with penalties).
-DRAFT_FIELDS = (
-    "vrows", "draft_src", "is_draft", "pad_pos", "spec_reqs", "spec_slots", "spec_prefix", "spec_tok",
-    "spec_tok_of", "n_verify", "sample_idx", "out_req", "out_first", "out_draft", "draft_at", "params",
-    "penalties", "hist_req",
-)  # fmt: skip
-DraftInputs = NamedTuple(  # type: ignore[misc]  # the field list is TokenInputs' plus ours
-    "DraftInputs", [(name, Any) for name in (*TokenInputs._fields, *DRAFT_FIELDS)]
-)
 
 
 class SpecState(TokenState):
@@ -85,14 +61,6 @@ class SpecState(TokenState):
     verified: Any = None
     new_len: torch.Tensor | None = None
     store_tokens: torch.Tensor | None = None
-
-
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows, owner)``: ``starts[i] + 0..lens[i]-1`` back to back, and each one's ``i``."""
-    total = int(lens.sum())
-    owner = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-    return starts[owner] + offsets, owner
 
 
 class SpecTokenStep(TokenStep):
@@ -150,58 +118,31 @@ class SpecTokenStep(TokenStep):
         assert isinstance(state, SpecState) and self.sampler is not None
         state.split = False  # a step with waiting rows waits whole: verification takes every row
         sreq = state.sample_reqs
-        n = sreq.size
-        packed = self.sampler.packed_params(batch.req_ids[sreq])
-        v, kd = n_verify[sreq], n_draft[sreq]
-        if int(kd.max(initial=0)) > self.k:
+        req_ids = batch.req_ids[sreq]
+        if int(n_draft[sreq].max(initial=0)) > self.k:
             raise ValueError(
-                f"DraftBatch.n_draft asks for {int(kd.max())} drafts, the drafter makes k={self.k}"
+                f"DraftBatch.n_draft asks for {int(n_draft[sreq].max())} drafts, the drafter makes k={self.k}"
             )
-        ends = np.cumsum(batch.seg_lens)[sreq] if n else _NONE
-        width = int(v.max(initial=0)) + 1
-        vrows, owner = _ranges(ends - 1 - v, v + 1)
-        j = vrows - (ends - 1 - v)[owner]
-        is_draft = (j < v[owner]).astype(np.int64)
-        draft_src = vrows + is_draft
-        rp = row_params(packed[owner]) if n else None
-        hist_req = self.sampler.history_rows_of(batch.req_ids[sreq])
-        pen = plan_penalties(packed[owner], hist_req[owner], (ends - 1 - v)[owner], j) if n else None
-        spec = np.flatnonzero(n_verify)
-        starts = np.cumsum(batch.seg_lens) - batch.seg_lens
-        spec_tok, spec_of = _ranges(starts[spec], batch.seg_lens[spec])
-        if pen is not None:
-            # Only committed tokens enter the history: the drafts a step verifies are not inputs.
-            state.splan = drop_observations(state.splan, spec_tok[spec_tok != starts[spec][spec_of]])
-            inputs = inputs._replace(sampler_words=state.splan.words)
-        n_out = int((1 + kd).sum())
-        first = np.cumsum(1 + kd) - 1 - kd
-        draft_slot, draft_of = _ranges(first + 1, kd)
-        params = _NONE
-        if rp is not None and rp.sampled:
-            params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
-        staged = DraftInputs(  # type: ignore[call-arg]
-            *inputs,
-            vrows,
-            draft_src,
-            is_draft,
-            owner * width + j,
-            spec,
-            -batch.tokens[starts[spec]],
-            batch.prefix_lens[spec],
-            spec_tok,
-            spec_of,
-            v,
+        dp = stage_drafts(
+            batch,
             sreq,
-            np.repeat(np.arange(n, dtype=np.int64), 1 + kd),
-            first,
-            draft_slot,
-            draft_of * self.k + (draft_slot - first[draft_of] - 1),
-            params,
-            _NONE if pen is None else pen.words,
-            _NONE if pen is None else hist_req,
+            n_verify,
+            n_draft,
+            self.sampler.packed_params(req_ids),
+            self.sampler.history_rows_of(req_ids),
+            inputs,
+            state.splan,
+            self.k,
         )
-        state.rp, state.width, state.n_verify, state.pen = rp, width, v, pen
+        state.splan, state.rp, state.width, state.n_verify, state.pen = (
+            dp.splan,
+            dp.rp,
+            dp.width,
+            dp.n_verify,
+            dp.pen,
+        )
         state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
+        n_out, staged = dp.n_out, dp.staged
         return StepPlan(n_out, staged, state, bool(state.late.size))
 
     # -- forward stream ----------------------------------------------------------------------

@@ -1,0 +1,134 @@
+"""A speculative step's host plan: its verification rows, slots and parameters, staged.
+
+:func:`stage_drafts` turns a checked batch (a :class:`tfuture.spec.DraftBatch`, or a plain one:
+no drafts) and the token step's own staged arrays into :data:`DraftInputs`, the step's one
+staging (the runtime copies it to the device in one go), plus the host state the stream ops
+need. Host numpy only; nothing here reads a device value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from tfuture.core.batch import Batch
+from tfuture.sampling.plan import SamplerPlan
+from tfuture.spec.penalties import PenaltyPlan, drop_observations, plan_penalties
+from tfuture.spec.verify import RowParams, row_params
+from tfuture.steps.token_state import TokenInputs
+
+__all__ = ["DRAFT_FIELDS", "DraftInputs", "DraftPlan", "stage_drafts"]
+
+_NONE = np.empty(0, dtype=np.int64)
+
+#: The speculative step's staged arrays, after the token step's own (:class:`TokenInputs`):
+#: ``vrows [R]`` the verification rows (token rows), request by request; ``draft_src [R]`` the
+#: token row of the draft each row checks (itself at a last row); ``is_draft [R]`` 1 at rows
+#: that check a draft; ``pad_pos [R]`` ``i * width + j``; ``spec_reqs [S]`` the requests that
+#: verify, ``spec_slots [S]`` the slot of each one's first input (its ``seq_len`` field),
+#: ``spec_prefix [S]`` the host's prefix bound of each, ``spec_tok [T]`` their segments' token
+#: rows and ``spec_tok_of [T]`` which of the S each belongs to; per sampling request
+#: ``n_verify`` and ``sample_idx`` (its index in the batch); ``out_req [n_out]`` the sampling
+#: request of each out slot, ``out_first [n_sample]`` each one's first slot (its last committed
+#: token), ``out_draft [D]`` the slots that take drafts and ``draft_at [D]`` their index into
+#: the drafter's flat ``[n_sample * k]`` drafts; ``params`` (``[3 * R]`` float64 bits, ``[R]``
+#: top_k, ``[R]`` seeds, when a row samples), ``penalties`` (:class:`PenaltyPlan` words) and
+#: ``hist_req [n_sample]`` (history rows, with penalties).
+DRAFT_FIELDS = (
+    "vrows", "draft_src", "is_draft", "pad_pos", "spec_reqs", "spec_slots", "spec_prefix", "spec_tok",
+    "spec_tok_of", "n_verify", "sample_idx", "out_req", "out_first", "out_draft", "draft_at", "params",
+    "penalties", "hist_req",
+)  # fmt: skip
+DraftInputs = NamedTuple(  # type: ignore[misc]  # the field list is TokenInputs' plus ours
+    "DraftInputs", [(name, Any) for name in (*TokenInputs._fields, *DRAFT_FIELDS)]
+)
+
+
+class DraftPlan(NamedTuple):
+    """What :func:`stage_drafts` plans: the staged arrays, the step's fresh slots, the rows'
+    parameters (None without sampling requests), the most rows of a request, each sampling
+    request's verified drafts, its penalties (None without), and the sampler plan (without the
+    observations of drafts when some request has penalties)."""
+
+    staged: Any
+    n_out: int
+    rp: RowParams | None
+    width: int
+    n_verify: np.ndarray
+    pen: PenaltyPlan | None
+    splan: SamplerPlan
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, owner)``: ``starts[i] + 0..lens[i]-1`` back to back, and each one's ``i``."""
+    total = int(lens.sum())
+    owner = np.repeat(np.arange(lens.size, dtype=np.int64), lens)
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return starts[owner] + offsets, owner
+
+
+def stage_drafts(
+    batch: Batch,
+    sreq: np.ndarray,
+    n_verify: np.ndarray,
+    n_draft: np.ndarray,
+    packed: np.ndarray,
+    hist_req: np.ndarray,
+    inputs: TokenInputs,
+    splan: SamplerPlan,
+    k: int,
+) -> DraftPlan:
+    """The host plan of a speculative step (see the module docstring).
+
+    Args:
+        batch: the checked batch; ``sreq [n]`` its sampling requests (ascending indices).
+        n_verify, n_draft: ``[n_reqs]`` drafts each request verifies and makes.
+        packed: ``[n, PARAM_WORDS]`` the sampling requests' packed parameters; ``hist_req [n]``
+            their device history rows (0: none).
+        inputs, splan: the token step's staged arrays and sampler plan of the batch.
+        k: the drafter's drafts per step.
+    """
+    n = sreq.size
+    v, kd = n_verify[sreq], n_draft[sreq]
+    ends = np.cumsum(batch.seg_lens)[sreq] if n else _NONE
+    width = int(v.max(initial=0)) + 1
+    vrows, owner = _ranges(ends - 1 - v, v + 1)
+    j = vrows - (ends - 1 - v)[owner]
+    is_draft = (j < v[owner]).astype(np.int64)
+    rp = row_params(packed[owner]) if n else None
+    pen = plan_penalties(packed[owner], hist_req[owner], (ends - 1 - v)[owner], j) if n else None
+    spec = np.flatnonzero(n_verify)
+    starts = np.cumsum(batch.seg_lens) - batch.seg_lens
+    spec_tok, spec_of = _ranges(starts[spec], batch.seg_lens[spec])
+    if pen is not None:
+        # Only committed tokens enter the history: the drafts a step verifies are not inputs.
+        splan = drop_observations(splan, spec_tok[spec_tok != starts[spec][spec_of]])
+        inputs = inputs._replace(sampler_words=splan.words)
+    first = np.cumsum(1 + kd) - 1 - kd
+    draft_slot, draft_of = _ranges(first + 1, kd)
+    params = _NONE
+    if rp is not None and rp.sampled:
+        params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
+    staged = DraftInputs(  # type: ignore[call-arg]
+        *inputs,
+        vrows,
+        vrows + is_draft,
+        is_draft,
+        owner * width + j,
+        spec,
+        -batch.tokens[starts[spec]],
+        batch.prefix_lens[spec],
+        spec_tok,
+        spec_of,
+        v,
+        sreq,
+        np.repeat(np.arange(n, dtype=np.int64), 1 + kd),
+        first,
+        draft_slot,
+        draft_of * k + (draft_slot - first[draft_of] - 1),
+        params,
+        _NONE if pen is None else pen.words,
+        _NONE if pen is None else hist_req,
+    )
+    return DraftPlan(staged, int((1 + kd).sum()), rp, width, v, pen, splan)
