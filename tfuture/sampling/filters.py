@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["inverse_cdf", "sorted_probs"]
+__all__ = ["greedy_tokens", "inverse_cdf", "sorted_probs"]
 
 
 def sorted_probs(
@@ -56,3 +56,10 @@ def inverse_cdf(p: torch.Tensor, order: torch.Tensor, u: torch.Tensor, zero: tor
     pick = torch.searchsorted(c, target, right=True).clamp_max_(p.shape[1] - 1)
     ok = p.gather(1, pick) > 0
     return torch.where(ok, order.gather(1, pick), -1).squeeze(1)
+
+
+def greedy_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[m]`` int64: the argmax of each row of ``x [m, V]``, or -1 where it is not a real logit
+    (NaN, or -inf: every allowed token banned), so no banned token is ever returned."""
+    best, tokens = x.max(dim=1)  # one op: the value says whether the pick is a real logit
+    return torch.where(best > float("-inf"), tokens, -1)

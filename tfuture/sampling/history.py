@@ -107,7 +107,9 @@ class TokenHistory:
         """Add sampled ``tokens`` (int64) to the outputs of ``rows``: counts and seen."""
         if self.counts is None or self.seen is None or self._ones is None or self._true is None:
             raise RuntimeError("Sampler.record before any sample: the history tables do not exist yet")
-        self.counts.index_put_((rows, tokens), self._ones[: rows.numel()], accumulate=True)
+        n = rows.numel()
+        ones = self._ones[:n] if n <= self._ones.numel() else self._ones.new_ones(n)
+        self.counts.index_put_((rows, tokens), ones, accumulate=True)
         self.seen.index_put_((rows, tokens), self._true)
 
     def penalise(

@@ -19,7 +19,7 @@ from tfuture.core.checks import as_count
 from tfuture.core.params import PARAM_WORDS, SamplingParams
 from tfuture.core.rows import RowAllocator
 from tfuture.kernels.bitmask import launch_apply_token_bitmask_
-from tfuture.sampling.filters import inverse_cdf, sorted_probs
+from tfuture.sampling.filters import greedy_tokens, inverse_cdf, sorted_probs
 from tfuture.sampling.history import TokenHistory
 from tfuture.sampling.plan import (
     R_DRAW,
@@ -318,7 +318,7 @@ class Sampler:
         plan = state.plan
         m, vocab = self._check_logits(logits, plan, rows)
         if not (plan.sampled or plan.penalized or bitmask is not None):
-            return _greedy(logits)
+            return greedy_tokens(logits)
         if m == 0:
             return torch.empty(0, dtype=torch.int64, device=logits.device)
         block = state.block
@@ -343,7 +343,7 @@ class Sampler:
             x = x.contiguous()
             launch_apply_token_bitmask_(x, bitmask)
         if not plan.sampled:
-            return _greedy(x)
+            return greedy_tokens(x)
         assert block is not None and floats is not None
         return self._draw(x, floats, block[R_TOP_K], plan, vocab)
 
@@ -416,13 +416,6 @@ class Sampler:
         if self._arange is None or self._arange.numel() != vocab or self._arange.device != device:
             self._arange = torch.arange(vocab, device=device)
         return self._arange
-
-
-def _greedy(x: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row, or -1 where it is not a real logit (NaN, or -inf: every allowed
-    token banned), so no banned token is ever returned."""
-    best, tokens = x.max(dim=1)  # one op: the value says whether the pick is a real logit
-    return torch.where(best > float("-inf"), tokens, -1)
 
 
 def _check_bitmask(bitmask: object, m: int, vocab: int, device: torch.device) -> None:

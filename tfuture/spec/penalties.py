@@ -114,13 +114,9 @@ def record_committed(
     """ON THE STREAM: count each request's committed tokens (``committed [n, W]``, the first
     ``n_commit`` of each row) in its history row ``hist_req [n]`` (0: none). Entries that are
     not committed, and requests without a row, go to the history's trash row (never read)."""
-    n, w = committed.shape
+    w = committed.shape[1]
     valid = (torch.arange(w, device=committed.device).unsqueeze(0) < n_commit.unsqueeze(1)) & (
         hist_req > 0
     ).unsqueeze(1)
     rows = torch.where(valid, hist_req.unsqueeze(1), history.rows + 1).reshape(-1)
-    tokens = committed.clamp_min(0).reshape(-1)
-    assert history.counts is not None and history.seen is not None
-    ones = torch.ones(n * w, dtype=history.counts.dtype, device=rows.device)
-    history.counts.index_put_((rows, tokens), ones, accumulate=True)
-    history.seen.index_put_((rows, tokens), torch.ones((), dtype=torch.bool, device=rows.device))
+    history.count(rows, committed.clamp_min(0).reshape(-1))

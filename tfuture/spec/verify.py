@@ -33,7 +33,7 @@ import torch
 
 from tfuture.core.params import GREEDY_BELOW, N_FLOATS, SEED, TEMPERATURE, TOP_K
 from tfuture.sampling.draws import device_draws
-from tfuture.sampling.filters import inverse_cdf, sorted_probs
+from tfuture.sampling.filters import greedy_tokens, inverse_cdf, sorted_probs
 from tfuture.sampling.plan import K_OFF
 
 __all__ = ["ACCEPT_KEY", "RowParams", "Verified", "row_params", "verify_rows"]
@@ -118,8 +118,7 @@ def verify_rows(
     """
     dev = logits.device
     if not params.sampled:
-        best, target = logits.max(dim=1)
-        target = torch.where(best > float("-inf"), target, -1)
+        target = greedy_tokens(logits)
         accept = is_draft & (drafts == target)
         final = target
     else:
