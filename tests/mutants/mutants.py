@@ -863,7 +863,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "spec-tokens-past-finish-kept",
-        "tfuture/scheduler/batcher.py",
+        "tfuture/scheduler/drafting.py",
         "                if r.finished:\n                    self.extra_tokens += 1\n",
         "                if False:\n                    self.extra_tokens += 1\n",
         SPEC_HF,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,8 +34,10 @@ from tfuture.grammars.base import (
     invalid_output,
     mask_requests,
 )
+from tfuture.scheduler.drafting import DraftScheduling
 from tfuture.scheduler.request import RequestSpec, check_params, grammar_vocab
-from tfuture.spec.batch import DraftBatch, DraftResult
+from tfuture.scheduler.request_state import _Req, spin
+from tfuture.spec.batch import DraftResult
 
 __all__ = ["DELAYS", "FINISH_REASONS", "ContinuousBatcher", "RequestSpec", "spin"]
 
@@ -47,45 +48,7 @@ DELAYS = ("rows", "batch")
 FINISH_REASONS = ("stop", "length", "abort", "grammar", "error", "invalid")
 
 
-def spin(seconds: float) -> None:
-    """Busy host work that holds the GIL, like a Python scheduler's bookkeeping."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-@dataclass(slots=True, eq=False)
-class _Req:
-    spec: RequestSpec
-    fed: int = 0  # prompt tokens already sent to the model
-    out: list[int] = field(default_factory=list)
-    # (batch, first row in batch.out, rows) of its latest sampling step: an unseen token, or
-    # (speculative) the slots of its last committed token and its drafts.
-    pending: tuple[Batch, int, int] | None = None
-    n_pending: int = 0  # launched but unprocessed sampling steps (each commits >= 1 token)
-    pending_extra: int = 0  # drafts those steps verify: tokens they may commit beyond one each
-    # Speculative: its pending slots, held by the batcher while it waits a step (the runtime
-    # releases a step's slots once a later step was launched); named by its next step.
-    kept: FutureIndices | None = None
-    steps: int = 0  # sampling steps processed (model steps that gave it tokens)
-    drafted: int = 0  # drafts it verified (speculative)
-    accepted: int = 0  # of those, accepted
-    finished: bool = False
-    matcher: Matcher | None = None  # a grammar request's position in its grammar
-    admitted: bool = False  # its parameters went out with its first step
-    state: int = 0  # free for subclasses (a grammar state kept by hand)
-    reason: str | None = None  # why it finished: one of FINISH_REASONS
-
-    @property
-    def known_len(self) -> int:
-        return self.fed + len(self.out) + self.n_pending
-
-    @property
-    def done_by_length(self) -> bool:
-        return len(self.out) + self.n_pending >= self.spec.max_new
-
-
-class ContinuousBatcher:
+class ContinuousBatcher(DraftScheduling):
     """Schedules ``specs`` onto a runtime: at most ``max_running`` requests, ``token_budget``
     tokens per step, prompts in chunks of at most ``chunk`` tokens.
 
@@ -246,14 +209,6 @@ class ContinuousBatcher:
             return None
         return self._build(rows)
 
-    def _keep(self, r: _Req) -> None:
-        """Hold ``r``'s pending slots (its last committed token and drafts) in a handle of the
-        batcher's own while ``r`` waits: its step's slots go back once a later step launched."""
-        if r.kept is None and r.pending is not None and self.speculative:
-            b, row, n = r.pending
-            assert b.out is not None
-            r.kept = b.out.filter(np.arange(row, row + n, dtype=np.int64))
-
     def _history_row_free(self, spec: RequestSpec) -> bool:
         """With ``history_rows``: a request with penalties waits until a running one ends."""
         if self.history_rows is None or spec.params is None or not spec.params.has_penalties:
@@ -389,22 +344,8 @@ class ContinuousBatcher:
         )
         if not self.speculative:
             return Batch(*arrays, sample_mask, **common), None, sample_mask
-        # A decode verifies the drafts of its last step: every token of its segment but the first.
-        decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
-        verify = np.where(decode, seg_lens - 1, 0)
-        drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
-        n_draft = np.where(sample_mask, drafts, 0)
-        return (
-            DraftBatch(*arrays, sample_mask, **common, n_verify=verify, n_draft=n_draft),
-            verify,
-            sample_mask,
-        )
-
-    def _drafts(self, r: _Req) -> int:
-        """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
-        which the host advances only over tokens it has seen) or one that opted out
-        (``RequestSpec.drafts``)."""
-        return 0 if r.matcher is not None or not r.spec.drafts else self.speculative
+        batch, verify = self._draft_batch(rows, arrays, sample_mask, common, decodes)
+        return batch, verify, sample_mask
 
     def _delayed(self, rows: list[tuple[_Req, int, bool]], sample: np.ndarray) -> bool | np.ndarray:
         """``Batch.delayed``: False without a sampling grammar request; with ``delay="rows"`` a
@@ -444,24 +385,6 @@ class ContinuousBatcher:
                 continue
             r.steps += 1
             self._take(r, tok, result.step)
-
-    def _process_drafts(self, result: DraftResult) -> None:
-        """A speculative step: each request's committed tokens in order, up to its finish (the
-        rest were launched past a finish the host learned late: dropped, counted)."""
-        for r, toks, v in zip(result.batch.tag, result.per_request(), result.n_drafted.tolist(), strict=True):
-            r.n_pending -= 1
-            r.pending_extra -= v
-            if not r.finished:
-                r.steps += 1
-                r.drafted += v
-                r.accepted += toks.size - 1
-                self.drafted_tokens += v
-                self.accepted_tokens += toks.size - 1
-            for tok in toks.tolist():
-                if r.finished:
-                    self.extra_tokens += 1
-                else:
-                    self._take(r, tok, result.step)
 
     def _take(self, r: _Req, tok: int, step: int) -> None:
         """One sampled token of a live request: its grammar, its output, its finish."""

@@ -1,0 +1,85 @@
+"""The speculative half of :class:`tfuture.scheduler.ContinuousBatcher` (``speculative=k``).
+
+A request's step makes ``1 + k`` slots (its last committed token, then ``k`` drafts) and its next
+step verifies those drafts; the host learns each step's committed tokens one step late. This mixin
+keeps what only speculation needs: how many drafts a request makes, the slots of a request that
+waits a step (held in a handle of the batcher's own), the :class:`tfuture.spec.DraftBatch` fields,
+and the processing of committed runs, cut at a finish the host learned late.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tfuture.core.batch import Batch
+from tfuture.scheduler.request_state import _Req
+from tfuture.spec.batch import DraftBatch, DraftResult
+
+__all__ = ["DraftScheduling"]
+
+
+class DraftScheduling:
+    """Mixed into :class:`tfuture.scheduler.ContinuousBatcher`, which sets these attributes."""
+
+    speculative: int
+    extra_tokens: int
+    drafted_tokens: int
+    accepted_tokens: int
+
+    def _take(self, r: _Req, tok: int, step: int) -> None:  # the batcher's own
+        raise NotImplementedError
+
+    def _keep(self, r: _Req) -> None:
+        """Hold ``r``'s pending slots (its last committed token and drafts) in a handle of the
+        batcher's own while ``r`` waits: its step's slots go back once a later step launched."""
+        if r.kept is None and r.pending is not None and self.speculative:
+            b, row, n = r.pending
+            assert b.out is not None
+            r.kept = b.out.filter(np.arange(row, row + n, dtype=np.int64))
+
+    def _drafts(self, r: _Req) -> int:
+        """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
+        which the host advances only over tokens it has seen) or one that opted out
+        (``RequestSpec.drafts``)."""
+        return 0 if r.matcher is not None or not r.spec.drafts else self.speculative
+
+    def _draft_batch(
+        self,
+        rows: list[tuple[_Req, int, bool]],
+        arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        sample_mask: np.ndarray,
+        common: dict[str, Any],
+        decodes: set[int],
+    ) -> tuple[Batch, np.ndarray]:
+        """The step's :class:`DraftBatch` (``arrays``: tokens, seg_lens, prefix_lens, req_ids)
+        and its ``n_verify``."""
+        # A decode verifies the drafts of its last step: every token of its segment but the first.
+        decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
+        tokens, seg_lens, prefix, rids = arrays
+        verify = np.where(decode, seg_lens - 1, 0)
+        drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
+        n_draft = np.where(sample_mask, drafts, 0)
+        batch = DraftBatch(
+            tokens, seg_lens, prefix, rids, sample_mask, **common, n_verify=verify, n_draft=n_draft
+        )
+        return batch, verify
+
+    def _process_drafts(self, result: DraftResult) -> None:
+        """A speculative step: each request's committed tokens in order, up to its finish (the
+        rest were launched past a finish the host learned late: dropped, counted)."""
+        for r, toks, v in zip(result.batch.tag, result.per_request(), result.n_drafted.tolist(), strict=True):
+            r.n_pending -= 1
+            r.pending_extra -= v
+            if not r.finished:
+                r.steps += 1
+                r.drafted += v
+                r.accepted += toks.size - 1
+                self.drafted_tokens += v
+                self.accepted_tokens += toks.size - 1
+            for tok in toks.tolist():
+                if r.finished:
+                    self.extra_tokens += 1
+                else:
+                    self._take(r, tok, result.step)
