@@ -1,6 +1,6 @@
 """FutureFields: named per-slot fields stored and gathered through future handles.
 
-The kernels underneath (store_fields / gather_fields) are tested in tests/kernels/test_fields.py.
+The kernels underneath (store_fields / gather_fields) are tested in tests/kernel_tests/test_fields.py.
 Payloads are random bit patterns viewed as each dtype, so floats carry NaNs with payloads,
 -0.0, infinities and subnormals; every comparison is on the raw words.
 """

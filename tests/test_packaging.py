@@ -251,3 +251,20 @@ def test_test_modules_outside_packages_have_unique_basenames() -> None:
         if not (path.parent / "__init__.py").exists():
             seen[path.name].append(str(path.relative_to(tests)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_no_name_on_the_tests_path_shadows_a_package_transformers_probes() -> None:
+    # pytest puts tests/ on sys.path, so each folder and helper module there is importable by its
+    # bare name. transformers probes optional packages with find_spec and imports what it finds:
+    # a tests/kernels package once passed for the `kernels` hub package (transformers 5.25) and
+    # failed every Hugging Face test at import. Names it probes must not be ours.
+    import_utils = importlib.util.find_spec("transformers.utils.import_utils")
+    if import_utils is None or import_utils.origin is None:
+        pytest.skip("transformers is not installed")
+    source = Path(import_utils.origin).read_text()
+    probed = set(re.findall(r"_is_package_available\(\s*[\"']([\w.]+)[\"']", source))
+    assert "torch" in probed  # the probe pattern still reads this source
+    tests = Path(__file__).resolve().parent
+    ours = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    ours |= {p.stem for p in tests.glob("*.py")}
+    assert sorted(ours & {name.split(".")[0] for name in probed}) == []

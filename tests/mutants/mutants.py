@@ -3,7 +3,7 @@
 Each :class:`Mutant` replaces one snippet of one package file (the snippet must occur exactly
 once, so the set goes stale, and ``tests/mutants/run.py`` fails, when someone edits the code
 under it: update the record then). ``tests`` are the tests that kill it, all inside the folder
-that owns the module (tests/core for core, tests/kernels for kernels, tests/runtime for the
+that owns the module (tests/core for core, tests/kernel_tests for kernels, tests/runtime for the
 runtime, streams and steps, tests/sampling, tests/models, tests/distributed). Every mutant is a
 real behaviour change, none an equivalent rewrite. Like ``tests/defects.py``, nothing here
 touches the package: the runner applies each mutant to a temporary copy.
@@ -26,7 +26,7 @@ class Mutant:
     description: str
 
 
-K = "tests/kernels/"
+K = "tests/kernel_tests/"
 CPU_EDGES = (K + "test_cpu_path_edges.py",)
 FENCE = (K + "test_bitmask_fence.py",)
 MALFORMED = (K + "test_prepare_malformed.py",)

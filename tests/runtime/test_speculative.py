@@ -5,7 +5,7 @@ Equivalence: with greedy acceptance, overlapped speculative decoding (step N+1 l
 the host knows step N's accepted lengths, which it reads only from step N's slot fields on the
 device) commits exactly the tokens of plain greedy decoding of the target, for every request,
 with random delays on the forward stream, and hands every slot back. The prepare kernel itself
-is tested in ``tests/kernels/test_spec.py``.
+is tested in ``tests/kernel_tests/test_spec.py``.
 """
 
 import threading
