@@ -20,13 +20,17 @@ from tfuture.distributed import (
     MicroBatchScheduler,
     ParallelContext,
     ParallelRuntime,
+    ParallelSpecStep,
     ParallelStep,
     init_parallel,
 )
 from tfuture.distributed.checks import batch_digest, tokens_digest
 from tfuture.distributed.failure import FailureWatcher, RankFailure, fail_run, finish_run, is_comm_error
 from tfuture.runtime import OverlapRuntime
-from tfuture.testing import ContinuousBatcher, ToyGrammar, random_workload
+from tfuture.spec import NGramDrafter
+from tfuture.steps.token import Buckets
+from tfuture.testing import ContinuousBatcher, RequestSpec, ToyGrammar, random_workload
+from tfuture.testing.faults import FaultPlan, InjectedFault
 from tfuture.testing.toy_spec import random_delay
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
 
@@ -380,4 +384,53 @@ def test_a_mask_row_that_allows_only_padding_bits_is_refused_once_the_vocab_is_k
     model = ParallelTransformer(ctx=ctx, **{**MODEL, "vocab": 40})
     with pytest.raises(ValueError, match=r"the mask row of request id \d+ .*allows no token"):
         ParallelRuntime(model, fmap, ctx).run(sched)
+    assert fmap.in_use == 0
+
+
+# --- speculative decoding through the parallel runtime (world 1) ---------------------------
+
+
+@pytest.fixture
+def spec_ctx() -> Iterator[ParallelContext]:
+    """A fresh world of 1 (a failed run closes its context)."""
+    with init_parallel(1, 1, backend="gloo", timeout_s=20) as c:
+        yield c
+
+
+def _spec_specs() -> list[Any]:
+    """Self-quoting prompts, so prompt lookup finds matches."""
+    rng = np.random.default_rng(0)
+    specs = []
+    for i in range(5):
+        base = rng.integers(1, 32, size=4 + i)
+        specs.append(RequestSpec(i, i, np.concatenate([base, base, base[:2]]), 6 + i))
+    return specs
+
+
+def _spec_runtime(ctx: ParallelContext, fmap: FutureMap, **kw: Any) -> ParallelRuntime:
+    drafter = NGramDrafter(k=3)
+    drafter.bind(8, 32, torch.device("cpu"))
+    return ParallelRuntime(ParallelTransformer(ctx=ctx, **MODEL), fmap, ctx, speculative=drafter, **kw)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_world_1_speculative_equals_plain_decoding(spec_ctx: ParallelContext, overlap: bool) -> None:
+    fmap = FutureMap(64, device="cpu", debug=True)
+    sched = ContinuousBatcher(_spec_specs(), fmap, eos=5, max_running=3, speculative=3)
+    runtime = _spec_runtime(spec_ctx, fmap, overlap=overlap, delay=random_delay(2, p=0.3, max_s=1e-3))
+    assert isinstance(runtime.kind, ParallelSpecStep)
+    runtime.run(sched)
+    assert sched.outputs == _single(_spec_specs())
+    assert fmap.in_use == 0 and sched.drafted_tokens > 0
+
+
+def test_world_1_speculative_refuses_buckets_and_a_fault_in_pack_leaks_nothing(
+    spec_ctx: ParallelContext,
+) -> None:
+    fmap = FutureMap(64, device="cpu")
+    with pytest.raises(ValueError, match="speculative run takes no buckets"):
+        _spec_runtime(spec_ctx, fmap, buckets=Buckets((8,), (4,)))
+    sched = ContinuousBatcher(_spec_specs(), fmap, eos=5, max_running=3, speculative=3)
+    with pytest.raises(InjectedFault):
+        _spec_runtime(spec_ctx, fmap, faults=FaultPlan(raise_at={"pack": 3})).run(sched)
     assert fmap.in_use == 0

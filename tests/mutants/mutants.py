@@ -33,6 +33,7 @@ MALFORMED = (K + "test_prepare_malformed.py",)
 MAP_EDGES = ("tests/core/test_map_edges.py",)
 SPEC_VERIFY = ("tests/spec/test_verify.py",)
 SPEC_HF = ("tests/spec/test_spec_hf.py",)
+SPEC_DIST = ("tests/distributed/test_spec_multiprocess.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- kernels: numpy path (cpu.py)
@@ -892,5 +893,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if True:\n",
         SPEC_HF,
         "the drafts a step verifies are marked seen: a rejected draft leaves a repetition penalty",
+    ),
+    Mutant(
+        "spec-dist-seq-len-only-on-the-sampling-rank",
+        "tfuture/distributed/spec_step.py",
+        '        self.fields.store(rec.out, {"seq_len": payload[n : 2 * n]})\n',
+        '        if self.samples:\n            self.fields.store(rec.out, {"seq_len": payload[n : 2 * n]})\n',
+        SPEC_DIST,
+        "the other ranks never learn the accepted lengths: their next step runs at stale positions",
+    ),
+    Mutant(
+        "spec-dist-group-slots-not-held",
+        "tfuture/distributed/micro.py",
+        "            if hold is not None:\n",
+        "            if False:\n",
+        SPEC_DIST,
+        "a pipeline group's drafts' slots go back before the group's next turn names them",
     ),
 )

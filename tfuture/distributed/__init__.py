@@ -8,7 +8,10 @@ Every rank runs the same scheduler and the one overlap loop with its own ``Futur
   into its own map on its forward stream; the first stage resolves the next micro-batch's
   placeholders on the device, with no host sync (:mod:`tfuture.distributed.micro`);
 * a failure on one rank raises on every rank, releases every slot and tears the process groups
-  down (:mod:`tfuture.distributed.failure`); debug mode checks that all ranks agree.
+  down (:mod:`tfuture.distributed.failure`); debug mode checks that all ranks agree;
+* speculative decoding: ``ParallelRuntime(..., speculative=drafter)``: the sampling rank
+  verifies and drafts, and every rank stores its tokens, drafts and accepted lengths
+  (:mod:`tfuture.distributed.spec_step`).
 """
 
 from tfuture.distributed.checks import RankDivergence
@@ -16,6 +19,7 @@ from tfuture.distributed.context import ParallelContext, free_port, init_paralle
 from tfuture.distributed.failure import RankFailure
 from tfuture.distributed.micro import MicroBatch, MicroBatchScheduler, MicroResult
 from tfuture.distributed.runtime import ParallelRuntime
+from tfuture.distributed.spec_step import ParallelSpecStep
 from tfuture.distributed.step import ParallelStep, StageModel
 
 __all__ = [
@@ -24,6 +28,7 @@ __all__ = [
     "MicroResult",
     "ParallelContext",
     "ParallelRuntime",
+    "ParallelSpecStep",
     "ParallelStep",
     "RankDivergence",
     "RankFailure",

@@ -111,7 +111,13 @@ class MicroBatchScheduler:
 
     def process(self, result: MicroResult) -> None:
         if result.result is not None:
-            self.groups[result.group].process(result.result)
+            group = self.groups[result.group]
+            group.process(result.result)
+            # A speculative group's next batch names the slots of this one, which the runtime
+            # releases before the group's next turn may come: the group holds them itself.
+            hold = getattr(group, "hold_slots", None)
+            if hold is not None:
+                hold(result.result.batch)
 
     def build_mask(self, batch: MicroBatch) -> np.ndarray | torch.Tensor | None:
         if batch.micro is None:

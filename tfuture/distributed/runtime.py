@@ -12,9 +12,11 @@ from tfuture.distributed.checks import agree
 from tfuture.distributed.context import ParallelContext
 from tfuture.distributed.failure import FailureWatcher, fail_run, finish_run
 from tfuture.distributed.micro import MicroBatchScheduler
+from tfuture.distributed.spec_step import ParallelSpecStep
 from tfuture.distributed.step import ParallelStep, StageModel
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
+from tfuture.spec.drafter import Drafter
 from tfuture.steps.token import Buckets
 from tfuture.streams.backends import Delay
 from tfuture.streams.base import RunWrapper
@@ -33,6 +35,12 @@ class ParallelRuntime:
     stored token across ranks (host syncs). ``buckets`` and ``sampler`` (every rank's own
     :class:`tfuture.sampling.Sampler`; the last stage's tensor rank 0 samples) and the other
     arguments as for :class:`tfuture.runtime.OverlapRuntime`.
+
+    ``speculative``: a :class:`tfuture.spec.Drafter` (bound by the caller) makes the run
+    speculative (:class:`tfuture.distributed.spec_step.ParallelSpecStep`): the schedulers give
+    :class:`tfuture.spec.DraftBatch` objects (``ContinuousBatcher(speculative=k)``), every rank
+    passes a drafter with the same ``k`` and the last stage's tensor rank 0 verifies and drafts.
+    It takes no ``buckets``.
     """
 
     def __init__(
@@ -49,6 +57,7 @@ class ParallelRuntime:
         check: bool | None = None,
         buckets: Buckets | None = None,
         sampler: Sampler | None = None,
+        speculative: Drafter | None = None,
     ) -> None:
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
@@ -56,7 +65,13 @@ class ParallelRuntime:
             raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
         self.ctx, self.fmap, self.overlap = ctx, fmap, bool(overlap)
         self.check = fmap.debug if check is None else bool(check)
-        self.kind = ParallelStep(model, ctx, check=self.check, buckets=buckets, sampler=sampler)
+        self.kind: ParallelStep
+        if speculative is None:
+            self.kind = ParallelStep(model, ctx, check=self.check, buckets=buckets, sampler=sampler)
+        elif buckets is not None:
+            raise ValueError("a speculative run takes no buckets (its steps are never padded), got buckets=")
+        else:
+            self.kind = ParallelSpecStep(model, ctx, speculative, check=self.check, sampler=sampler)
         self.runtime = OverlapRuntime(
             self.kind, fmap, overlap=overlap, stream=stream, delay=delay, faults=faults, trace=trace
         )
@@ -97,6 +112,7 @@ class ParallelRuntime:
             "overlap": self.overlap,
             "scheduler groups": len(groups),
             "max_steps": max_steps,
+            "drafts per step (k)": getattr(self.kind, "k", 0),
         }
         agree(ctx, config, "before the run: ")
         key = ctx.next_run()

@@ -41,5 +41,6 @@ class MicroState(TokenState):
     step: int = -1
     hidden_in: torch.Tensor | None = None
     hidden_out: torch.Tensor | None = None  # a stage before the last: its forward's output
+    n_own: int = 0  # the slots its own tokens take when a later step delivers them
     delivers: MicroState | None = None  # the micro-batch whose tokens this step stores
     delivered: torch.Tensor | None = None  # those tokens, int64 [n_out]

@@ -61,8 +61,8 @@ class ParallelStep(TokenStep):
     """
 
     state_type = MicroState
-    stream_ops = (
-        *TokenStep.stream_ops,
+    #: The ops it adds to the token step's.
+    comm_ops = (
         "recv_hidden",
         "send_hidden",
         "broadcast",
@@ -71,6 +71,7 @@ class ParallelStep(TokenStep):
         "recv_tokens",
         "check_tokens",
     )
+    stream_ops = (*TokenStep.stream_ops, *comm_ops)
 
     def __init__(
         self,
@@ -89,7 +90,9 @@ class ParallelStep(TokenStep):
                     raise TypeError(
                         f"a pipeline stage model needs a {name} attribute; {type(model).__name__} has none"
                     )
-        super().__init__(model, buckets, sampler)  # type: ignore[arg-type]
+        # The token step's constructor by name: a subclass may put another token step (the
+        # speculative one) between this class and TokenStep in its method order.
+        TokenStep.__init__(self, model, buckets, sampler)  # type: ignore[arg-type]
         self.ctx, self.check = ctx, bool(check)
         self.samples = ctx.is_last_stage and ctx.tp_rank == 0
         self.lag = ctx.pp - 1
@@ -125,13 +128,19 @@ class ParallelStep(TokenStep):
         micro = batch.micro
         if micro is not None and (micro.out is not None or micro.step >= 0):
             raise ValueError(f"group {batch.group}'s schedule() returned a batch that was already launched")
-        state, inputs = self.plan_batch(micro if micro is not None else _bubble())
-        assert isinstance(state, MicroState)
-        state.micro, state.group = micro, batch.group
+        state, inputs, n_own = self.plan_micro(micro if micro is not None else _bubble())
+        state.n_own, state.micro, state.group = n_own, micro, batch.group
         queue = [*self._fifo, state]
         state.delivers = queue[0] if len(queue) > self.lag else None
-        n_out = 0 if state.delivers is None else state.delivers.n_sample
+        n_out = 0 if state.delivers is None else state.delivers.n_own
         return StepPlan(n_out, inputs, state, bool(state.late.size))
+
+    def plan_micro(self, micro: Batch) -> tuple[MicroState, Any, int]:
+        """HOST: a micro-batch's record, its staged inputs and how many slots its tokens take
+        when they are delivered (here one per sampling request)."""
+        state, inputs = self.plan_batch(micro)
+        assert isinstance(state, MicroState)
+        return state, inputs, state.n_sample
 
     # -- forward stream ----------------------------------------------------------------------
 
@@ -212,7 +221,7 @@ class ParallelStep(TokenStep):
         ops: list[Op] = []
         if ctx.is_last_stage and state.n_sample:
             if self.samples:
-                ops.append(("sample", lambda: self._sample_here(rec)))
+                ops += self.sample_here_ops(rec)
             if ctx.tp > 1:
                 ops.append(("broadcast", lambda: self._broadcast(state)))
             if ctx.pp > 1:
@@ -227,7 +236,7 @@ class ParallelStep(TokenStep):
 
             ops.append(("take_tokens", take))
         else:
-            n, src, dev = done.n_sample, ctx.rank_of(ctx.pp - 1, ctx.tp_rank), ctx.device
+            n, src, dev = self.payload_size(done), ctx.rank_of(ctx.pp - 1, ctx.tp_rank), ctx.device
 
             def recv_tokens() -> None:
                 buf = torch.empty(n, dtype=torch.int64, device=dev)
@@ -235,13 +244,28 @@ class ParallelStep(TokenStep):
                 state.delivered = buf
 
             ops.append(("recv_tokens", recv_tokens))
-        out = rec.out
-        # -1 marks a row without a valid token: the map gets 0, the host copy raises.
-        ops.append(("store", lambda: fmap.store(out, state.delivered.clamp(min=0))))
+        ops.append(("store", lambda: self.store_delivered(rec, done)))
         if self.check:
-            slots, step = out.slots, rec.step
+            slots, step = rec.out.slots, rec.step
             ops.append(("check_tokens", lambda: check_stored_tokens(ctx, step, fmap.token_map, slots)))
         return ops
+
+    # What a variant of the step (the speculative one) changes: what the sampling rank computes,
+    # the int64 payload every rank gets from it, and what a rank stores from a delivered payload.
+
+    def sample_here_ops(self, rec: InFlight) -> list[Op]:
+        """The ops of the last stage's tensor rank 0, leaving the payload in ``state.sampled``."""
+        return [("sample", lambda: self._sample_here(rec))]
+
+    def payload_size(self, state: MicroState) -> int:
+        """The int64 words a micro-batch's payload takes (its tokens)."""
+        return state.n_sample
+
+    def store_delivered(self, rec: InFlight, done: MicroState) -> None:
+        """FORWARD STREAM: ``done``'s delivered payload into this step's fresh slots."""
+        assert self.fmap is not None
+        # -1 marks a row without a valid token: the map gets 0, the host copy raises.
+        self.fmap.store(rec.out, rec.state.delivered.clamp(min=0))
 
     def _sample_here(self, rec: InFlight) -> None:
         """Tensor rank 0 of the last stage: the token step's sample (mask, rows, record)."""
@@ -256,7 +280,7 @@ class ParallelStep(TokenStep):
         """Every tensor rank of the last stage gets tensor rank 0's tokens."""
         ctx = self.ctx
         if state.sampled is None:
-            state.sampled = torch.empty(state.n_sample, dtype=torch.int64, device=ctx.device)
+            state.sampled = torch.empty(self.payload_size(state), dtype=torch.int64, device=ctx.device)
         dist.broadcast(state.sampled, src=ctx.rank_of(ctx.pp_rank, 0), group=ctx.tp_group)
 
     def _send_tokens(self, step: int, state: MicroState) -> None:

@@ -24,6 +24,7 @@ class DraftScheduling:
     """Mixed into :class:`tfuture.scheduler.ContinuousBatcher`, which sets these attributes."""
 
     speculative: int
+    running: list[_Req]
     extra_tokens: int
     drafted_tokens: int
     accepted_tokens: int
@@ -38,6 +39,15 @@ class DraftScheduling:
             b, row, n = r.pending
             assert b.out is not None
             r.kept = b.out.filter(np.arange(row, row + n, dtype=np.int64))
+
+    def hold_slots(self, batch: Batch) -> None:
+        """For a driver that may ask for this scheduler's next batch only after the runtime
+        released ``batch.out`` (a pipeline's micro-batch groups, which take turns): every request
+        whose latest step is ``batch`` (just processed) holds its slots in a handle of its own."""
+        if self.speculative:
+            for r in self.running:
+                if not r.finished and r.pending is not None and r.pending[0] is batch:
+                    self._keep(r)
 
     def _drafts(self, r: _Req) -> int:
         """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,

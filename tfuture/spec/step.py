@@ -14,8 +14,9 @@ runtime's staging, tracing, faults and error path are the token step's own.
 A request with a grammar makes no drafts (``n_draft = 0``): its one row waits for the mask the
 host builds from its matcher (a delayed step), while the other requests of the step verify
 theirs. Penalties: each verification row is scored with the history its token would have
-(:mod:`tfuture.spec.penalties`). Not yet: drafts for grammar requests, ``Buckets`` and step graphs, and
-tensor/pipeline parallel with drafts. Each is refused with a ``ValueError``, never run wrong.
+(:mod:`tfuture.spec.penalties`). Tensor and pipeline parallel runs use it through
+:class:`tfuture.distributed.spec_step.ParallelSpecStep`. Not yet: drafts for grammar requests,
+and ``Buckets`` and step graphs (refused with a ``ValueError``, never run wrong).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class SpecState(TokenState):
     n_verify: np.ndarray = _NONE  # [n_sample] drafts each sampling request verifies
     pen: PenaltyPlan | None = None
     max_len: int = 0
+    n_out: int = 0  # the step's fresh slots: a last committed token and k drafts a request
     verified: Any = None
     new_len: torch.Tensor | None = None
     store_tokens: torch.Tensor | None = None
@@ -78,16 +80,33 @@ class SpecTokenStep(TokenStep):
     keeps_out = True  # drafts live only in the slots: sync mode names its last step's slots too
     # The ops it runs (a fault plan may name only these): the token step's sample, sample_now
     # and replay become verify and draft; the drafter's ended rows go back in prepare.
-    stream_ops = ("prepare", "copy", "debug", "release", "forward", "verify", "draft", "store")
+    stream_ops: tuple[str, ...] = (
+        "prepare",
+        "copy",
+        "debug",
+        "release",
+        "forward",
+        "verify",
+        "draft",
+        "store",
+    )
     state_type = SpecState
 
+    #: Whether this step's process drafts (observe, draft, release): a rank of a parallel run
+    #: that does not verify leaves it to the one that does.
+    drafts = True
+
     def __init__(self, model: Model, drafter: Drafter, sampler: Sampler | None = None) -> None:
+        self.take_drafter(drafter)
+        super().__init__(model, sampler=sampler if sampler is not None else Sampler())
+
+    def take_drafter(self, drafter: Drafter) -> None:
+        """Check and keep ``drafter`` (bound by the caller)."""
         if not isinstance(drafter, Drafter):
             raise TypeError(
                 f"drafter must implement tfuture.spec.Drafter (k, bind, observe, draft, release, close), "
                 f"got {type(drafter).__name__}"
             )
-        super().__init__(model, sampler=sampler if sampler is not None else Sampler())
         self.drafter = drafter
         self.k = int(drafter.k)
         self.fields: FutureFields | None = None
@@ -99,6 +118,12 @@ class SpecTokenStep(TokenStep):
     # -- host, at launch ---------------------------------------------------------------------
 
     def plan(self, batch: Any) -> StepPlan:
+        state, staged, n_out = self.plan_spec(batch)
+        return StepPlan(n_out, staged, state, bool(state.late.size))
+
+    def plan_spec(self, batch: Any) -> tuple[SpecState, Any, int]:
+        """HOST: the step's record, its staged :data:`tfuture.spec.staging.DraftInputs` and its
+        number of fresh slots."""
         if not isinstance(batch, Batch):
             raise TypeError(
                 f"schedule() must return a tfuture.spec.DraftBatch (or a plain Batch: no drafts) or None, "
@@ -142,8 +167,8 @@ class SpecTokenStep(TokenStep):
             dp.pen,
         )
         state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
-        n_out, staged = dp.n_out, dp.staged
-        return StepPlan(n_out, staged, state, bool(state.late.size))
+        state.n_out = dp.n_out
+        return state, dp.staged, dp.n_out
 
     # -- forward stream ----------------------------------------------------------------------
 
@@ -162,6 +187,8 @@ class SpecTokenStep(TokenStep):
             seq_lens = fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
             fwd = fwd._replace(positions=positions, seq_lens=seq_lens)
         state.fwd = fwd._replace(sample_rows=inputs.vrows)
+        if not self.drafts:
+            return
         if state.ended.size:
             # Before observe: a request admitted in this step may take an ended request's row.
             self.drafter.release(state.ended)
@@ -246,8 +273,7 @@ class SpecTokenStep(TokenStep):
         if not isinstance(drafts, torch.Tensor) or drafts.shape != (n, self.k):
             got = tuple(drafts.shape) if isinstance(drafts, torch.Tensor) else type(drafts).__name__
             raise ValueError(f"the drafter's draft must return [{n}, {self.k}] token ids, got {got}")
-        n_out = rec.out._n
-        tokens = torch.empty(n_out, dtype=torch.int64, device=v.last.device)
+        tokens = torch.empty(state.n_out, dtype=torch.int64, device=v.last.device)
         tokens.index_copy_(0, inputs.out_first, v.last.clamp_min(0))
         if inputs.out_draft.numel():
             flat = drafts.reshape(-1).to(torch.int64).clamp(0, max(self._vocab_bound() - 1, 0))
@@ -286,24 +312,27 @@ class SpecTokenStep(TokenStep):
         return None
 
     def result(self, rec: InFlight, words: np.ndarray) -> DraftResult:
-        state: SpecState = rec.state
+        return self.draft_result(rec.step, rec.batch, rec.state, words)
+
+    def draft_result(self, step: int, batch: Batch, state: SpecState, words: np.ndarray) -> DraftResult:
+        """HOST: step ``step``'s committed tokens and counts (``words``), checked."""
         n, w = state.n_sample, state.width
         committed, counts = words[: n * w].reshape(n, w), words[n * w :].astype(np.int64)
         keep = np.arange(w)[None, :] < counts[:, None]
         tokens = committed[keep]
         if tokens.size and int(tokens.min()) < 0:
             i = int(np.flatnonzero((committed < 0) & keep)[0] // w)
-            rid = int(rec.batch.req_ids[state.sample_reqs[i]])
+            rid = int(batch.req_ids[state.sample_reqs[i]])
             raise ValueError(
-                f"step {rec.step}: request {rid} has no valid token to sample (its filtered "
+                f"step {step}: request {rid} has no valid token to sample (its filtered "
                 "probabilities are not a distribution: a NaN or infinite logit)"
             )
         vocab = self._vocab
         if vocab is not None and tokens.size and int(tokens.max()) >= vocab:
             raise ValueError(
-                f"step {rec.step}: a committed token {int(tokens.max())} is past the vocab of {vocab}"
+                f"step {step}: a committed token {int(tokens.max())} is past the vocab of {vocab}"
             )
-        return DraftResult(rec.step, rec.batch, tokens, counts, state.n_verify)
+        return DraftResult(step, batch, tokens, counts, state.n_verify)
 
     def n_tokens(self, result: StepResult) -> int:
         return int(result.tokens.size)
