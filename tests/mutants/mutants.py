@@ -34,6 +34,7 @@ MAP_EDGES = ("tests/core/test_map_edges.py",)
 SPEC_VERIFY = ("tests/spec/test_verify.py",)
 SPEC_HF = ("tests/spec/test_spec_hf.py",)
 SPEC_DIST = ("tests/distributed/test_spec_multiprocess.py",)
+SPEC_GRAMMAR = ("tests/spec/test_spec_grammar.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- kernels: numpy path (cpu.py)
@@ -897,8 +898,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "spec-dist-seq-len-only-on-the-sampling-rank",
         "tfuture/distributed/spec_step.py",
-        '        self.fields.store(rec.out, {"seq_len": payload[n : 2 * n]})\n',
-        '        if self.samples:\n            self.fields.store(rec.out, {"seq_len": payload[n : 2 * n]})\n',
+        '        self.fields.store(rec.out, {"seq_len": payload[at + n : at + 2 * n]})\n',
+        "        if self.samples:\n"
+        '            self.fields.store(rec.out, {"seq_len": payload[at + n : at + 2 * n]})\n',
         SPEC_DIST,
         "the other ranks never learn the accepted lengths: their next step runs at stale positions",
     ),
@@ -909,5 +911,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "            if False:\n",
         SPEC_DIST,
         "a pipeline group's drafts' slots go back before the group's next turn names them",
+    ),
+    Mutant(
+        "spec-grammar-draft-rows-unmasked",
+        "tfuture/scheduler/drafting.py",
+        "                    m.fill_bitmask(bitmask, row)\n",
+        "                    pass\n",
+        SPEC_GRAMMAR,
+        "a grammar request's draft rows allow every token: an illegal draft the model likes is accepted",
+    ),
+    Mutant(
+        "spec-grammar-matcher-not-rolled-back",
+        "tfuture/scheduler/drafting.py",
+        "                if took:\n",
+        "                if False:\n",
+        SPEC_GRAMMAR,
+        "the matcher keeps the drafts it walked through: the committed tokens are fed on top of them",
+    ),
+    Mutant(
+        "spec-grammar-mask-rows-one-per-request",
+        "tfuture/spec/step.py",
+        "        state.mask_rows = np.repeat(waiting, per)\n",
+        "        state.mask_rows = np.repeat(waiting, per)[: waiting.size]\n",
+        SPEC_GRAMMAR,
+        "the step expects one mask row per waiting request where build_mask gives one per verification row",
     ),
 )

@@ -202,6 +202,7 @@ def test_a_stop_token_inside_an_accepted_run(model: Any, looped: list[list[int]]
         assert eng.fmap.in_use == 0
     assert tokens(got) == tokens(want)
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert got[0].timings.drafted > 0  # the JSON request drafted (xgrammar rolls its matcher back)
     assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == stop and len(got[0].token_ids) <= 7
     assert extra > 0, "the tokens committed past the stop are dropped (and counted)"
 
@@ -215,6 +216,7 @@ def test_the_models_end_token_stops_like_plain(model: Any, looped: list[list[int
         got = eng.generate(looped, params)
     assert tokens(got) == tokens(want)
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert got[0].timings.drafted > 0  # the JSON request drafted (xgrammar rolls its matcher back)
     assert got[1].finish_reason == "stop"
 
 
@@ -265,6 +267,7 @@ def test_a_json_schema_request_on_a_speculative_engine_equals_plain() -> None:
         assert eng.fmap.in_use == 0
     assert tokens(got) == tokens(want)
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    assert got[0].timings.drafted > 0  # the JSON request drafted (xgrammar rolls its matcher back)
 
 
 def test_a_request_may_opt_out_of_drafts(model: Any, looped: list[list[int]]) -> None:

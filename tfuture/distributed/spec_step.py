@@ -4,11 +4,11 @@ It is :class:`tfuture.distributed.step.ParallelStep` whose token step is the spe
 (:class:`tfuture.spec.step.SpecTokenStep`), so its batches carry drafts and what travels from
 the sampling rank is no longer one token per request but a *payload* of int64 words:
 
-* the tokens of the micro-batch's fresh slots (each request's last committed token and its
-  next ``k`` drafts), ``[n_own]``;
-* the ``seq_len`` field of each of those slots (the request's true length), ``[n_own]``;
 * each request's committed tokens ``[n_sample, width]`` and their count ``[n_sample]``, what
-  the host reads back.
+  the host reads back;
+* the tokens of the micro-batch's fresh slots (each request's last committed token and its
+  next ``k`` drafts), ``[n_own]`` (read back too when a grammar request drafted);
+* the ``seq_len`` field of each of those slots (the request's true length), ``[n_own]``.
 
 The last stage's tensor rank 0 verifies (greedy or rejection sampling) and drafts; every
 other rank only forwards. The payload reaches the other tensor ranks by ``broadcast`` and the
@@ -99,18 +99,19 @@ class ParallelSpecStep(ParallelStep, SpecTokenStep):
         v, inputs = state.verified, state.inputs
         assert v is not None and state.store_tokens is not None and state.new_len is not None
         parts = (
-            state.store_tokens,
-            state.new_len.index_select(0, inputs.out_req),
             v.committed.reshape(-1),
             v.n_commit,
+            state.store_tokens,
+            state.new_len.index_select(0, inputs.out_req),
         )
         state.sampled = torch.cat([p.to(torch.int64) for p in parts])
 
     def store_delivered(self, rec: InFlight, done: MicroState) -> None:
         assert self.fmap is not None and self.fields is not None
-        payload, n = rec.state.delivered, done.n_own
-        self.fmap.launch_store(rec.out, payload[:n])
-        self.fields.store(rec.out, {"seq_len": payload[n : 2 * n]})
+        assert isinstance(done, MicroSpecState)
+        payload, n, at = rec.state.delivered, done.n_own, done.n_sample * (done.width + 1)
+        self.fmap.launch_store(rec.out, payload[at : at + n])
+        self.fields.store(rec.out, {"seq_len": payload[at + n : at + 2 * n]})
 
     # -- host, after copy_done ---------------------------------------------------------------
 
@@ -121,12 +122,11 @@ class ParallelSpecStep(ParallelStep, SpecTokenStep):
         done = rec.state.delivers
         if done is None or done.micro is None:
             return 0
-        return int(done.n_sample * (done.width + 1))
+        return int(done.n_sample * (done.width + 1) + done.n_stored)
 
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
-        done = rec.state.delivers
         if len(dst):
-            dst.copy_(rec.state.delivered[2 * done.n_own :], non_blocking=True)
+            dst.copy_(rec.state.delivered[: len(dst)], non_blocking=True)
 
     def result(self, rec: InFlight, words: np.ndarray) -> MicroResult:  # type: ignore[override]
         done = rec.state.delivers

@@ -106,8 +106,8 @@ class Engine:
         speculative: a drafter (:class:`tfuture.NGramDrafter`, :class:`tfuture.ModelDrafter`,
             or a :class:`tfuture.spec.Drafter` of your own): every request verifies ``k`` drafts
             a step (greedy output equal to plain decoding; sampled output following the model's
-            distribution exactly; penalties too). A structured-output request makes no drafts
-            (its tokens follow its grammar's masks). None (the default): plain decoding.
+            distribution exactly; penalties too). A structured-output request's drafts are
+            checked by its grammar's masks, one per draft. None (the default): plain decoding.
 
     Use it as a context manager, or call :meth:`close`: it aborts what is live, waits for
     the background thread, and gives a Hugging Face model it wrapped back its train/eval mode

@@ -3,8 +3,8 @@
 ``Engine(model, speculative=tfuture.NGramDrafter(k=4))`` (and :func:`tfuture.generate`) runs
 every request through :class:`tfuture.spec.SpecTokenStep` with ``k`` drafts a step. The KV rows
 hold a margin of positions past ``max_len`` for the drafts verified beyond a request's last
-token; the future map holds ``1 + k`` slots per request and step. A structured-output request
-makes no drafts (its tokens wait for grammar masks, the others' do not).
+token; the future map holds ``1 + k`` slots per request and step. A structured-output request's
+rows wait for grammar masks, one per draft it verifies; the others' do not.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ class Matcher(Protocol):
         """True once the request's output is complete (e.g. its stop token was accepted)."""
         ...
 
+    # Optional: ``rollback(n)``, undo the last ``n`` accepted tokens. A speculative scheduler
+    # walks a matcher through a request's drafts to build a mask row per draft, then rolls it
+    # back; a request whose matcher lacks it makes no drafts (it decodes plainly).
+    #
     # Optional, called when present once the request ends on a stop token or its grammar's end:
     # ``invalid() -> str | None``, why the accepted output is not in the grammar's language after
     # all (a matcher that knows a bug of its own), or None. A scheduler then finishes the request

@@ -192,6 +192,13 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (speculative decoding's drafts)."""
+        if n > 0:
+            self._m.rollback(n)
+            if self._out is not None:
+                del self._out[-n:]
+
     def invalid(self) -> str | None:
         """Why the accepted output is not a JSON document after all (a JSON grammar's only),
         or None."""
@@ -211,7 +218,8 @@ class XGrammar:
         return self._vocab
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(_xgr().GrammarMatcher(self.compiled), self._json)
+        # Unlimited rollback (the default of xgrammar >= 0.2; older ones default to none).
+        return XGrammarMatcher(_xgr().GrammarMatcher(self.compiled, max_rollback_tokens=-1), self._json)
 
 
 class XGrammarCompiler:

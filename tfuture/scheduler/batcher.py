@@ -37,7 +37,7 @@ from tfuture.grammars.base import (
 from tfuture.scheduler.drafting import DraftScheduling
 from tfuture.scheduler.request import RequestSpec, check_params, grammar_vocab
 from tfuture.scheduler.request_state import _Req, spin
-from tfuture.spec.batch import DraftResult
+from tfuture.spec.batch import DraftBatch, DraftResult
 
 __all__ = ["DELAYS", "FINISH_REASONS", "ContinuousBatcher", "RequestSpec", "spin"]
 
@@ -133,7 +133,8 @@ class ContinuousBatcher(DraftScheduling):
                 f"(the last committed token and its drafts): give token_budget >= {1 + speculative}"
             )
         #: Drafts each request makes per step (0: plain decoding, plain Batches). A grammar
-        #: request makes none: its tokens wait for masks the host builds from its matcher.
+        #: request's drafts are checked by masks the host builds from its matcher, walked through
+        #: them and rolled back (one whose matcher cannot roll back makes none).
         self.speculative = speculative
         self.stop = frozenset((eos,) if isinstance(eos, int | np.integer) else (int(t) for t in eos))
         self.eos = min(self.stop) if self.stop else -1  # one of them, for callers that read eos
@@ -431,6 +432,8 @@ class ContinuousBatcher(DraftScheduling):
         A request without a grammar, or one that already finished (the extra step), allows all."""
         if self.vocab is None:
             raise RuntimeError("build_mask called on a ContinuousBatcher without grammar requests")
+        if isinstance(batch, DraftBatch) and batch.n_verify.any():
+            return self._draft_mask(batch, self.vocab, self.mask)
         tag = batch.tag
         matchers = [None if tag[i].finished else tag[i].matcher for i in mask_requests(batch).tolist()]
         return build_bitmask(matchers, self.vocab, self.mask)

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 from tfuture.core.batch import Batch
+from tfuture.grammars.base import full_bitmask, mask_requests
+from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.scheduler.request_state import _Req
 from tfuture.spec.batch import DraftBatch, DraftResult
 
@@ -50,10 +52,51 @@ class DraftScheduling:
                     self._keep(r)
 
     def _drafts(self, r: _Req) -> int:
-        """Drafts ``r`` makes per step: none for a grammar request (its masks follow its matcher,
-        which the host advances only over tokens it has seen) or one that opted out
-        (``RequestSpec.drafts``)."""
-        return 0 if r.matcher is not None or not r.spec.drafts else self.speculative
+        """Drafts ``r`` makes per step: none for a request that opted out
+        (``RequestSpec.drafts``) or whose grammar matcher cannot roll back (its mask rows walk
+        the matcher through the drafts, then undo them)."""
+        if not r.spec.drafts or (
+            r.matcher is not None and not callable(getattr(r.matcher, "rollback", None))
+        ):
+            return 0
+        return self.speculative
+
+    def _draft_mask(self, batch: DraftBatch, vocab: int, kind: str) -> np.ndarray:
+        """``build_mask`` of a step where waiting requests verify drafts: per waiting request
+        (``mask_requests`` order) ``1 + n_verify`` rows, the allowed tokens after its committed
+        tokens and after each draft it verifies. A draft its grammar rejects ends the walk (the
+        rows after it repeat the one that rejects it, so verification stops there); after the
+        grammar's end every token is allowed (tokens past a finish are dropped). The matcher is
+        rolled back to where it was: the tokens verification commits are fed to it later."""
+        waiting = mask_requests(batch)
+        n_verify = batch.n_verify[np.flatnonzero(batch.sample)[waiting]]
+        bitmask = full_bitmask(int((1 + n_verify).sum()), vocab)
+        at = 0
+        for i, v in zip(waiting.tolist(), n_verify.tolist(), strict=True):
+            r: _Req = batch.tag[i]
+            m = None if r.finished else r.matcher
+            if m is not None:
+                m.fill_bitmask(bitmask, at)
+                if len(r.drafts) < v:
+                    raise RuntimeError(
+                        f"request {r.spec.rid} verifies {v} drafts but its last step stored {len(r.drafts)}"
+                    )
+                took, live = 0, True
+                for j, d in enumerate(r.drafts[:v]):
+                    row = at + 1 + j
+                    if not live or not m.accept(d):
+                        live = False
+                        bitmask[row] = bitmask[row - 1]
+                        continue
+                    took += 1
+                    if m.is_terminated():
+                        live = False  # the row stays full: what follows the end is dropped
+                        continue
+                    m.fill_bitmask(bitmask, row)
+                if took:
+                    m.rollback(took)  # type: ignore[attr-defined]  # it drafted: _drafts checked
+            at += 1 + v
+        return bitmask if kind == "bitmask" else unpack_bitmask(bitmask, vocab)
 
     def _draft_batch(
         self,
@@ -79,6 +122,13 @@ class DraftScheduling:
     def _process_drafts(self, result: DraftResult) -> None:
         """A speculative step: each request's committed tokens in order, up to its finish (the
         rest were launched past a finish the host learned late: dropped, counted)."""
+        stored = result.stored
+        if stored.size:
+            # A waiting request drafted: its next step's mask rows walk its grammar through them.
+            kd = 1 + result.batch.n_draft[np.flatnonzero(result.batch.sample)]  # type: ignore[attr-defined]
+            for r, first, n in zip(result.batch.tag, (np.cumsum(kd) - kd).tolist(), kd.tolist(), strict=True):
+                if r.matcher is not None:
+                    r.drafts = tuple(stored[first + 1 : first + n].tolist())
         for r, toks, v in zip(result.batch.tag, result.per_request(), result.n_drafted.tolist(), strict=True):
             r.n_pending -= 1
             r.pending_extra -= v

@@ -34,6 +34,9 @@ class _Req:
     # Speculative: its pending slots, held by the batcher while it waits a step (the runtime
     # releases a step's slots once a later step was launched); named by its next step.
     kept: FutureIndices | None = None
+    # Speculative with a grammar: the drafts its latest processed step stored (its next step
+    # verifies them; its mask rows walk the matcher through them).
+    drafts: tuple[int, ...] = ()
     steps: int = 0  # sampling steps processed (model steps that gave it tokens)
     drafted: int = 0  # drafts it verified (speculative)
     accepted: int = 0  # of those, accepted

@@ -50,6 +50,10 @@ class DraftBatch(Batch):
             used to size the step). Empty: none verifies.
         n_draft: ``[n_reqs]`` drafts each sampling request makes for its next step (0 where it
             does not sample). Empty: none drafts.
+
+    A request whose sample waits for a mask (``delayed``) gets ``1 + n_verify`` mask rows from
+    ``build_mask``, one per verification row: the allowed tokens after its committed tokens and
+    after each of the drafts it verifies (a draft the mask rejects is never accepted).
     """
 
     n_verify: np.ndarray = field(default_factory=lambda: _NONE)
@@ -91,10 +95,14 @@ class DraftBatch(Batch):
 class DraftResult(StepResult):
     """A processed speculative step: ``tokens`` holds every sampling request's committed tokens
     back to back (``n_commit[i]`` for request ``i``, in ``sample_reqs`` order; 1 for a plain
-    request); ``n_drafted [n_sample]`` the drafts each one verified."""
+    request); ``n_drafted [n_sample]`` the drafts each one verified; ``stored`` what the step
+    stored into its fresh slots (each sampling request's last committed token, then its
+    ``n_draft`` drafts), read back only when a request whose sample waits for a mask made
+    drafts (its next masks follow them), else empty."""
 
     n_commit: np.ndarray = field(default_factory=lambda: _NONE)
     n_drafted: np.ndarray = field(default_factory=lambda: _NONE)
+    stored: np.ndarray = field(default_factory=lambda: _NONE)
 
     def per_request(self) -> list[np.ndarray]:
         """Each sampling request's committed tokens, in order."""

@@ -11,12 +11,14 @@ its slots, and the ``seq_len`` field). The host reads back each request's commit
 their count. Prefill chunks, plain decodes (``k = 0``), ended requests, the KV cache and the
 runtime's staging, tracing, faults and error path are the token step's own.
 
-A request with a grammar makes no drafts (``n_draft = 0``): its one row waits for the mask the
-host builds from its matcher (a delayed step), while the other requests of the step verify
-theirs. Penalties: each verification row is scored with the history its token would have
+A request whose sample waits for a grammar mask (a delayed step) gets a mask row per
+verification row (see :class:`tfuture.spec.DraftBatch`), applied to those rows before
+verification, while the other requests of the step verify theirs; when such a request drafts,
+the stored drafts come back to the host with the committed tokens (its next masks follow them).
+Penalties: each verification row is scored with the history its token would have
 (:mod:`tfuture.spec.penalties`). Tensor and pipeline parallel runs use it through
-:class:`tfuture.distributed.spec_step.ParallelSpecStep`. Not yet: drafts for grammar requests,
-and ``Buckets`` and step graphs (refused with a ``ValueError``, never run wrong).
+:class:`tfuture.distributed.spec_step.ParallelSpecStep`. Not yet: ``Buckets`` and step graphs
+(the step takes none; ``ParallelRuntime(speculative=...)`` refuses ``buckets`` by name).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tfuture.spec.penalties import (
 from tfuture.spec.staging import stage_drafts
 from tfuture.spec.verify import RowParams, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
-from tfuture.steps.masks import mask_on_stream
+from tfuture.steps.masks import check_rows, check_width, mask_on_stream
 from tfuture.steps.token import TokenStep
 from tfuture.steps.token_state import TokenInputs, TokenState
 
@@ -60,6 +62,8 @@ class SpecState(TokenState):
     pen: PenaltyPlan | None = None
     max_len: int = 0
     n_out: int = 0  # the step's fresh slots: a last committed token and k drafts a request
+    n_stored: int = 0  # of those, read back to the host (a waiting request drafted): 0 or n_out
+    mask_vrows: np.ndarray = _NONE  # the verification row of each mask row
     verified: Any = None
     new_len: torch.Tensor | None = None
     store_tokens: torch.Tensor | None = None
@@ -133,12 +137,6 @@ class SpecTokenStep(TokenStep):
         n_verify, n_draft = (
             (batch.n_verify, batch.n_draft) if isinstance(batch, DraftBatch) else (zeros, zeros)
         )
-        waits = np.flatnonzero(batch.delayed & batch.sample & ((n_verify > 0) | (n_draft > 0)))
-        if waits.size:
-            raise ValueError(
-                f"request {int(batch.req_ids[waits[0]])} waits for a grammar mask and has drafts: a "
-                "request with a grammar makes no drafts (n_verify = n_draft = 0) in a speculative step"
-            )
         state, inputs = self.plan_batch(batch)
         assert isinstance(state, SpecState) and self.sampler is not None
         state.split = False  # a step with waiting rows waits whole: verification takes every row
@@ -168,7 +166,24 @@ class SpecTokenStep(TokenStep):
         )
         state.max_len = int((batch.prefix_lens + batch.seg_lens).max(initial=0)) + 1  # >= every new length
         state.n_out = dp.n_out
+        if state.mask_rows.size:
+            self._plan_mask_rows(state, n_draft[sreq])
         return state, dp.staged, dp.n_out
+
+    def _plan_mask_rows(self, state: SpecState, n_draft: np.ndarray) -> None:
+        """HOST: a waiting request gets a mask row per verification row (``DraftBatch``), so
+        ``mask_rows`` repeats it ``1 + n_verify`` times and ``mask_vrows`` names those rows; the
+        stored drafts come back to the host when such a request drafts (its next masks)."""
+        waiting, nv = state.mask_rows, state.n_verify
+        state.late = waiting  # only the mask's rows wait (verification takes every row at once)
+        per = 1 + nv[waiting]
+        state.mask_rows = np.repeat(waiting, per)
+        ends = np.cumsum(1 + nv)[waiting]
+        state.mask_vrows = np.repeat(ends - per, per) + (
+            np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+        )
+        if int(n_draft[waiting].max(initial=0)):
+            state.n_stored = state.n_out
 
     # -- forward stream ----------------------------------------------------------------------
 
@@ -246,16 +261,20 @@ class SpecTokenStep(TokenStep):
         state.new_len = real - inputs.n_verify + v.n_commit
 
     def _masked(self, rec: InFlight, logits: torch.Tensor) -> torch.Tensor:
-        """The logits with the grammar mask applied to the waiting requests' rows (each has one
-        verification row: it makes no drafts), on a copy."""
+        """The logits with the grammar masks applied to the waiting requests' verification rows
+        (a row each: ``DraftBatch``), on a copy."""
         state: SpecState = rec.state
         assert self.fmap is not None
-        mask = mask_on_stream(state, rec.step, self.fmap.device)
         vocab = int(logits.shape[1])
+        if state.unchecked is not None and state.mask is not None:
+            # The host could not check the rows before the vocab was known (the logits here
+            # have a row per verification row, not per request: the check is ours).
+            check_width(state.mask, vocab, rec.step)
+            check_rows(state.mask, state.unchecked, rec.step, vocab)
+            state.unchecked = None
+        mask = mask_on_stream(state, rec.step, self.fmap.device)
         allowed = mask if mask.dtype == torch.bool else unpack_bitmask(mask, vocab)
-        # A waiting request verifies nothing, so its one row is its last: the row of its request.
-        ends = torch.cumsum(1 + state.inputs.n_verify, 0) - 1
-        rows = ends.index_select(0, torch.tensor(state.mask_rows, device=ends.device))
+        rows = torch.from_numpy(state.mask_vrows).to(logits.device)
         return logits.index_put((rows,), logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
 
     def _draft(self, rec: InFlight) -> None:
@@ -297,7 +316,7 @@ class SpecTokenStep(TokenStep):
 
     def n_result(self, rec: InFlight) -> int:
         state: SpecState = rec.state
-        return state.n_sample * (state.width + 1)
+        return state.n_sample * (state.width + 1) + state.n_stored
 
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
         state: SpecState = rec.state
@@ -306,7 +325,10 @@ class SpecTokenStep(TokenStep):
             return
         n, w = state.n_sample, state.width
         dst[: n * w].view(n, w).copy_(v.committed, non_blocking=True)
-        dst[n * w :].copy_(v.n_commit, non_blocking=True)
+        dst[n * w : n * (w + 1)].copy_(v.n_commit, non_blocking=True)
+        if state.n_stored:
+            assert state.store_tokens is not None
+            dst[n * (w + 1) :].copy_(state.store_tokens, non_blocking=True)
 
     def result_array(self, rec: InFlight) -> np.ndarray | None:
         return None
@@ -317,7 +339,7 @@ class SpecTokenStep(TokenStep):
     def draft_result(self, step: int, batch: Batch, state: SpecState, words: np.ndarray) -> DraftResult:
         """HOST: step ``step``'s committed tokens and counts (``words``), checked."""
         n, w = state.n_sample, state.width
-        committed, counts = words[: n * w].reshape(n, w), words[n * w :].astype(np.int64)
+        committed, counts = words[: n * w].reshape(n, w), words[n * w : n * (w + 1)].astype(np.int64)
         keep = np.arange(w)[None, :] < counts[:, None]
         tokens = committed[keep]
         if tokens.size and int(tokens.min()) < 0:
@@ -332,7 +354,8 @@ class SpecTokenStep(TokenStep):
             raise ValueError(
                 f"step {step}: a committed token {int(tokens.max())} is past the vocab of {vocab}"
             )
-        return DraftResult(step, batch, tokens, counts, state.n_verify)
+        stored = words[n * (w + 1) :].astype(np.int64) if state.n_stored else _NONE
+        return DraftResult(step, batch, tokens, counts, state.n_verify, stored)
 
     def n_tokens(self, result: StepResult) -> int:
         return int(result.tokens.size)

@@ -146,10 +146,11 @@ class ToyGrammar:
 class ToyMatcher:
     """One request's state in a :class:`ToyGrammar` (a :class:`tfuture.grammars.Matcher`)."""
 
-    __slots__ = ("grammar", "state")
+    __slots__ = ("grammar", "state", "trail")
 
     def __init__(self, grammar: ToyGrammar) -> None:
         self.grammar, self.state = grammar, 0
+        self.trail: list[int] = []  # the state before each accepted token (for rollback)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         bitmask[row] = self.grammar.packed[self.state]
@@ -158,8 +159,16 @@ class ToyMatcher:
         g = self.grammar
         if not 0 <= token < g.vocab or not g.allowed[self.state, token]:
             return False
+        self.trail.append(self.state)
         self.state = int(g.next[self.state, token])
         return True
 
     def is_terminated(self) -> bool:
         return False
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= len(self.trail):
+            raise ValueError(f"rollback({n}): the matcher accepted {len(self.trail)} tokens")
+        if n:
+            self.state = self.trail[-n]
+            del self.trail[-n:]
