@@ -35,6 +35,7 @@ SPEC_VERIFY = ("tests/spec/test_verify.py",)
 SPEC_HF = ("tests/spec/test_spec_hf.py",)
 SPEC_DIST = ("tests/distributed/test_spec_multiprocess.py",)
 SPEC_GRAMMAR = ("tests/spec/test_spec_grammar.py",)
+MULTISTEP = ("tests/spec/test_multistep.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- kernels: numpy path (cpu.py)
@@ -935,5 +936,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "        state.mask_rows = np.repeat(waiting, per)[: waiting.size]\n",
         SPEC_GRAMMAR,
         "the step expects one mask row per waiting request where build_mask gives one per verification row",
+    ),
+    Mutant(
+        "multistep-window-past-the-tokens-left",
+        "tfuture/scheduler/drafting.py",
+        "            k = max(1, min(self.multi_step, max(left, default=1)))\n",
+        "            k = self.multi_step\n",
+        MULTISTEP,
+        "a window runs its full length though no request has that many tokens left (waste)",
+    ),
+    Mutant(
+        "multistep-length-limit-ignores-pending-windows",
+        "tfuture/scheduler/request_state.py",
+        "        return len(self.out) + self.n_pending + self.sure_extra >= self.spec.max_new",
+        "        return len(self.out) + self.n_pending >= self.spec.max_new",
+        MULTISTEP,
+        "a request gets another window although its launched ones reach max_tokens (waste past a finish)",
+    ),
+    Mutant(
+        "multistep-later-step-position",
+        "tfuture/spec/multistep.py",
+        "ForwardBatch(rec.step, ids, pos + j, rows, req_ids, pos + j + 1,",
+        "ForwardBatch(rec.step, ids, pos + j - 1, rows, req_ids, pos + j,",
+        MULTISTEP,
+        "a window's later steps feed each token at the previous position (its KV overwrites the last)",
     ),
 )

@@ -97,6 +97,7 @@ class ContinuousBatcher(DraftScheduling):
         delay: str = "batch",
         history_rows: int | None = None,
         speculative: int = 0,
+        multi_step: int = 1,
     ) -> None:
         if mask not in MASK_KINDS:
             raise ValueError(f"mask must be one of {MASK_KINDS}, got {mask!r}")
@@ -132,6 +133,15 @@ class ContinuousBatcher(DraftScheduling):
                 f"token_budget={token_budget} cannot hold a speculative decode of 1 + {speculative} tokens "
                 f"(the last committed token and its drafts): give token_budget >= {1 + speculative}"
             )
+        if isinstance(multi_step, bool) or not isinstance(multi_step, int) or multi_step < 1:
+            raise ValueError(f"multi_step must be an int >= 1 (decode steps per window), got {multi_step!r}")
+        if multi_step > 1 and speculative:
+            raise ValueError(
+                f"multi_step={multi_step} and speculative={speculative} do not combine yet: a speculative "
+                "step already gives several tokens per request"
+            )
+        #: Decode steps per window (:class:`tfuture.spec.MultiStepTokenStep`; 1: one per step).
+        self.multi_step = multi_step
         #: Drafts each request makes per step (0: plain decoding, plain Batches). A grammar
         #: request's drafts are checked by masks the host builds from its matcher, walked through
         #: them and rolled back (one whose matcher cannot roll back makes none).
@@ -313,6 +323,10 @@ class ContinuousBatcher(DraftScheduling):
             r.n_pending += 1
             if extra is not None:
                 r.pending_extra += int(extra[row])
+        if isinstance(batch, DraftBatch) and batch.n_steps > 1:
+            for r in batch.tag:  # a window: every sampling request gets n_steps tokens
+                r.pending_extra += batch.n_steps - 1
+                r.sure_extra += batch.n_steps - 1
         return batch
 
     def _batch(
@@ -343,6 +357,8 @@ class ContinuousBatcher(DraftScheduling):
             np.asarray(prefix, dtype=np.int64),
             np.asarray(rids, dtype=np.int64),
         )
+        if self.multi_step > 1:
+            return self._window_batch(rows, arrays, sample_mask, common), None, sample_mask
         if not self.speculative:
             return Batch(*arrays, sample_mask, **common), None, sample_mask
         batch, verify = self._draft_batch(rows, arrays, sample_mask, common, decodes)

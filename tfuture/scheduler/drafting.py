@@ -26,6 +26,7 @@ class DraftScheduling:
     """Mixed into :class:`tfuture.scheduler.ContinuousBatcher`, which sets these attributes."""
 
     speculative: int
+    multi_step: int
     running: list[_Req]
     extra_tokens: int
     drafted_tokens: int
@@ -119,6 +120,22 @@ class DraftScheduling:
         )
         return batch, verify
 
+    def _window_batch(
+        self,
+        rows: list[tuple[_Req, int, bool]],
+        arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        sample_mask: np.ndarray,
+        common: dict[str, Any],
+    ) -> DraftBatch:
+        """A multi-step window: ``multi_step`` decode steps, fewer when no sampling request has
+        that many tokens left (the rest would be dropped), one when a sampling request waits for
+        a grammar mask (its mask is for one position)."""
+        k = 1
+        if not np.any(np.asarray(common["delayed"]) & sample_mask):
+            left = [r.spec.max_new - len(r.out) - r.n_pending - r.sure_extra for r, _, s in rows if s]
+            k = max(1, min(self.multi_step, max(left, default=1)))
+        return DraftBatch(*arrays, sample_mask, **common, n_steps=k)
+
     def _process_drafts(self, result: DraftResult) -> None:
         """A speculative step: each request's committed tokens in order, up to its finish (the
         rest were launched past a finish the host learned late: dropped, counted)."""
@@ -129,15 +146,20 @@ class DraftScheduling:
             for r, first, n in zip(result.batch.tag, (np.cumsum(kd) - kd).tolist(), kd.tolist(), strict=True):
                 if r.matcher is not None:
                     r.drafts = tuple(stored[first + 1 : first + n].tolist())
+        steps = int(getattr(result.batch, "n_steps", 1))  # a multi-step window's decode steps
         for r, toks, v in zip(result.batch.tag, result.per_request(), result.n_drafted.tolist(), strict=True):
             r.n_pending -= 1
-            r.pending_extra -= v
+            r.pending_extra -= v + steps - 1
+            if steps > 1:
+                r.sure_extra -= steps - 1
+                if r.pending is not None and r.pending[0] is result.batch:
+                    r.pending = None  # its next window takes the last token from the host
             if not r.finished:
-                r.steps += 1
+                r.steps += steps
                 r.drafted += v
-                r.accepted += toks.size - 1
+                r.accepted += toks.size - steps
                 self.drafted_tokens += v
-                self.accepted_tokens += toks.size - 1
+                self.accepted_tokens += toks.size - steps
             for tok in toks.tolist():
                 if r.finished:
                     self.extra_tokens += 1

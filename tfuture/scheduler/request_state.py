@@ -37,6 +37,9 @@ class _Req:
     # Speculative with a grammar: the drafts its latest processed step stored (its next step
     # verifies them; its mask rows walk the matcher through them).
     drafts: tuple[int, ...] = ()
+    # Multi-step: tokens its launched, unprocessed windows surely give beyond one each (pending_
+    # extra holds them too, as a bound on its length; this one counts towards max_new).
+    sure_extra: int = 0
     steps: int = 0  # sampling steps processed (model steps that gave it tokens)
     drafted: int = 0  # drafts it verified (speculative)
     accepted: int = 0  # of those, accepted
@@ -52,4 +55,4 @@ class _Req:
 
     @property
     def done_by_length(self) -> bool:
-        return len(self.out) + self.n_pending >= self.spec.max_new
+        return len(self.out) + self.n_pending + self.sure_extra >= self.spec.max_new

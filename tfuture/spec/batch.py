@@ -50,6 +50,10 @@ class DraftBatch(Batch):
             used to size the step). Empty: none verifies.
         n_draft: ``[n_reqs]`` drafts each sampling request makes for its next step (0 where it
             does not sample). Empty: none drafts.
+        n_steps: decode steps the step runs (multi-step decode,
+            :class:`tfuture.spec.MultiStepTokenStep`): each sampling request gets ``n_steps``
+            tokens, each step's input the previous one's output on the device, and its slot
+            the last of them. More than 1 only without drafts and without waiting requests.
 
     A request whose sample waits for a mask (``delayed``) gets ``1 + n_verify`` mask rows from
     ``build_mask``, one per verification row: the allowed tokens after its committed tokens and
@@ -58,12 +62,22 @@ class DraftBatch(Batch):
 
     n_verify: np.ndarray = field(default_factory=lambda: _NONE)
     n_draft: np.ndarray = field(default_factory=lambda: _NONE)
+    n_steps: int = 1
 
     def __post_init__(self) -> None:
         Batch.__post_init__(self)
         n = self.seg_lens.size
         v = self.n_verify = _counts("n_verify", self.n_verify, n)
         d = self.n_draft = _counts("n_draft", self.n_draft, n)
+        k = self.n_steps
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+            raise ValueError(f"DraftBatch.n_steps must be an int >= 1, got {k!r}")
+        self.n_steps = int(k)
+        if k > 1 and (v.any() or d.any() or np.any(self.delayed & self.sample)):
+            raise ValueError(
+                f"DraftBatch.n_steps={k} runs several decode steps at once: no request may verify or "
+                "make drafts, or wait for a mask (its mask is for one position), in such a step"
+            )
         bad = np.flatnonzero(((v > 0) | (d > 0)) & ~self.sample)
         if bad.size:
             q = int(bad[0])

@@ -63,6 +63,7 @@ class SpecState(TokenState):
     max_len: int = 0
     n_out: int = 0  # the step's fresh slots: a last committed token and k drafts a request
     n_stored: int = 0  # of those, read back to the host (a waiting request drafted): 0 or n_out
+    n_steps: int = 1  # decode steps (MultiStepTokenStep): the committed tokens' width when > 1
     mask_vrows: np.ndarray = _NONE  # the verification row of each mask row
     verified: Any = None
     new_len: torch.Tensor | None = None
@@ -236,11 +237,7 @@ class SpecTokenStep(TokenStep):
         if not n or rp is None:
             state.verified = None
             return
-        dev_params = None
-        if rp.sampled:
-            words = inputs.params
-            floats = words[: 3 * rows].view(torch.float64).view(3, rows)
-            dev_params = (floats, words[3 * rows : 4 * rows], words[4 * rows :])
+        dev_params = self.row_params_on_device(state)
         if state.mask is not None:
             logits = self._masked(rec, logits)
         sampler = self.sampler
@@ -259,6 +256,17 @@ class SpecTokenStep(TokenStep):
             record_committed(sampler.history, inputs.hist_req, v.committed, v.n_commit)
         real = fwd.seq_lens.index_select(0, inputs.sample_idx)
         state.new_len = real - inputs.n_verify + v.n_commit
+
+    @staticmethod
+    def row_params_on_device(state: SpecState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The verification rows' staged parameters ``(floats [3, R] float64, top_k [R], seeds
+        [R])`` as device views, or None when no row samples (greedy)."""
+        rp = state.rp
+        if rp is None or not rp.sampled:
+            return None
+        words, rows = state.inputs.params, state.inputs.vrows.numel()
+        floats = words[: 3 * rows].view(torch.float64).view(3, rows)
+        return floats, words[3 * rows : 4 * rows], words[4 * rows :]
 
     def _masked(self, rec: InFlight, logits: torch.Tensor) -> torch.Tensor:
         """The logits with the grammar masks applied to the waiting requests' verification rows
@@ -316,14 +324,14 @@ class SpecTokenStep(TokenStep):
 
     def n_result(self, rec: InFlight) -> int:
         state: SpecState = rec.state
-        return state.n_sample * (state.width + 1) + state.n_stored
+        return state.n_sample * (max(state.width, state.n_steps) + 1) + state.n_stored
 
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
         state: SpecState = rec.state
         v = state.verified
         if v is None:
             return
-        n, w = state.n_sample, state.width
+        n, w = state.n_sample, max(state.width, state.n_steps)
         dst[: n * w].view(n, w).copy_(v.committed, non_blocking=True)
         dst[n * w : n * (w + 1)].copy_(v.n_commit, non_blocking=True)
         if state.n_stored:
@@ -338,7 +346,7 @@ class SpecTokenStep(TokenStep):
 
     def draft_result(self, step: int, batch: Batch, state: SpecState, words: np.ndarray) -> DraftResult:
         """HOST: step ``step``'s committed tokens and counts (``words``), checked."""
-        n, w = state.n_sample, state.width
+        n, w = state.n_sample, max(state.width, state.n_steps)
         committed, counts = words[: n * w].reshape(n, w), words[n * w : n * (w + 1)].astype(np.int64)
         keep = np.arange(w)[None, :] < counts[:, None]
         tokens = committed[keep]

@@ -1,0 +1,172 @@
+"""Multi-step decode (``ContinuousBatcher(multi_step=K)`` + ``MultiStepTokenStep``) on a tiny
+Hugging Face Llama: K in {1, 2, 4, 8} give the same tokens as plain decoding (greedy, seeded
+sampling, penalties; sync and overlap), with stop tokens and length limits landing at every
+offset inside a window; the tokens past a finish are dropped and counted; grammar requests run
+their windows with K = 1; nothing is held after a run; bad configurations are refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tfuture import FutureMap
+from tfuture.core.params import SamplingParams
+from tfuture.examples.hf import build_llama
+from tfuture.models import HFCausalLM
+from tfuture.runtime import OverlapRuntime
+from tfuture.sampling import Sampler
+from tfuture.spec import DraftBatch, MultiStepTokenStep
+from tfuture.testing import ContinuousBatcher, RequestSpec, ToyGrammar
+
+VOCAB, ROWS, MAX_LEN = 96, 6, 64
+NO_STOP = 10**9
+LAUNCHES: dict[int, int] = {}  # runtime steps (launches) of each run, by id of its batcher
+KINDS = [
+    None,
+    SamplingParams(temperature=0.8, seed=3),
+    SamplingParams(temperature=1.1, top_p=0.9, top_k=20, seed=5, frequency_penalty=0.5),
+    SamplingParams(repetition_penalty=1.3),  # greedy with a penalty
+    SamplingParams(temperature=0.7, min_p=0.05, seed=9, presence_penalty=0.4),
+    None,
+]
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return build_llama(vocab=VOCAB, hidden=48, layers=2, seed=0)
+
+
+def workload(max_new: int = 12) -> list[RequestSpec]:
+    rng = np.random.default_rng(0)
+    return [
+        RequestSpec(i, i % 3, rng.integers(3, VOCAB, size=4 + i), max_new, params=KINDS[i])
+        for i in range(ROWS)
+    ]
+
+
+def run(
+    model: Any, specs: list[RequestSpec], k: int, *, overlap: bool = True, **kw: Any
+) -> ContinuousBatcher:
+    """``specs`` through the multi-step step (``k`` = 1: the plain token step with the Sampler);
+    the batcher, with the run's model launches as ``launches``."""
+    fmap = FutureMap(256)
+    hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
+    sampler = Sampler(history_rows=ROWS)
+    sched = ContinuousBatcher(
+        specs, fmap, eos=NO_STOP, max_running=ROWS, history_rows=ROWS, multi_step=k, **kw
+    )
+    if k == 1:
+        stats = OverlapRuntime(hf, fmap, overlap=overlap, trace=False, sampler=sampler).run(sched)
+    else:
+        stats = OverlapRuntime(MultiStepTokenStep(hf, sampler), fmap, overlap=overlap, trace=False).run(sched)
+    LAUNCHES[id(sched)] = stats.steps
+    assert fmap.in_use == 0 and sampler.live_rows == 0, "nothing is held after the run"
+    return sched
+
+
+@pytest.fixture(scope="module")
+def plain(model: Any) -> dict[int, list[int]]:
+    return run(model, workload(), 1).outputs
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_every_k_gives_plain_decodings_tokens(
+    model: Any, plain: dict[int, list[int]], k: int, overlap: bool
+) -> None:
+    sched = run(model, workload(), k, overlap=overlap)
+    assert sched.outputs == plain
+    # Fewer launches: each window gave up to k tokens per request (prefill chunks launch alone).
+    one = LAUNCHES[id(run(model, workload(), 1, overlap=overlap))]
+    assert LAUNCHES[id(sched)] < one and (k < 4 or 2 * LAUNCHES[id(sched)] <= one)
+
+
+def test_a_multi_step_window_of_one_is_the_token_step(model: Any, plain: dict[int, list[int]]) -> None:
+    fmap = FutureMap(256)
+    step = MultiStepTokenStep(
+        HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN), Sampler(history_rows=ROWS)
+    )
+    sched = ContinuousBatcher(workload(), fmap, eos=NO_STOP, max_running=ROWS, history_rows=ROWS)
+    OverlapRuntime(step, fmap, trace=False).run(sched)
+    assert sched.outputs == plain
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_stops_and_length_limits_land_at_every_offset_of_a_window(
+    model: Any, plain: dict[int, list[int]], k: int
+) -> None:
+    """Request i stops at a token of its plain output at offset i (its stop token ids), or at a
+    length limit of 1 + i: every offset 0..5 inside a window, for both kinds of finish."""
+    specs = workload()
+    by_stop = [replace(s, stop={plain[s.rid][s.rid]}) for s in specs]
+    by_length = [replace(s, max_new=1 + s.rid) for s in specs]
+    for variant in (by_stop, by_length):
+        want = run(model, variant, 1).outputs
+        for overlap in (True, False):
+            sched = run(model, variant, k, overlap=overlap)
+            assert sched.outputs == want
+            assert all(len(sched.outputs[s.rid]) <= s.max_new for s in variant)
+    # Tokens past a finish were computed and dropped, and counted. A length limit is known ahead:
+    # no window starts past it, overlapped or not, so at most k - 1 tokens of one are wasted.
+    for overlap in (True, False):
+        sched = run(model, by_length, k, overlap=overlap)
+        assert sched.extra_tokens <= (k - 1) * len(by_length)
+    sched = run(model, by_stop, k, overlap=False)
+    assert 0 < sched.extra_tokens <= (k - 1) * len(by_stop)
+
+
+def test_grammar_requests_run_windows_of_one(model: Any) -> None:
+    grammar = ToyGrammar(VOCAB, seed=2)
+    specs = [replace(s, grammar=s.rid in (1, 4), arrival=0) for s in workload(max_new=8)]
+    want = run(model, specs, 1, grammar=grammar, delay="rows").outputs
+    for overlap in (True, False):
+        sched = run(model, specs, 4, overlap=overlap, grammar=grammar, delay="rows")
+        assert sched.outputs == want
+        assert grammar.accepts(sched.outputs[1]) and grammar.accepts(sched.outputs[4])
+
+
+def test_windows_shrink_to_the_tokens_left(model: Any) -> None:
+    """Every request wants 3 tokens: a window of 8 runs 3 steps, and nothing is wasted."""
+    specs = [replace(s, max_new=3, arrival=0) for s in workload()]
+    sched = run(model, specs, 8, overlap=False)
+    assert sched.outputs == run(model, specs, 1).outputs
+    assert sched.extra_tokens == 0
+
+
+def test_bad_configurations_are_refused() -> None:
+    fmap = FutureMap(64)
+    with pytest.raises(ValueError, match="multi_step must be an int >= 1"):
+        ContinuousBatcher(workload(), fmap, multi_step=0)
+    with pytest.raises(ValueError, match="do not combine yet"):
+        ContinuousBatcher(workload(), fmap, multi_step=2, speculative=2)
+    one = np.ones(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="n_steps must be an int >= 1"):
+        DraftBatch(one, one, one * 0, one * 0, np.ones(1, dtype=bool), n_steps=0)
+    with pytest.raises(ValueError, match="several decode steps at once"):
+        DraftBatch(one, one, one * 0, one * 0, np.ones(1, dtype=bool), n_draft=one, n_steps=2)
+    with pytest.raises(ValueError, match="several decode steps at once"):
+        DraftBatch(one, one, one * 0, one * 0, np.ones(1, dtype=bool), delayed=True, n_steps=2)
+
+
+def test_a_model_that_returns_the_wrong_rows_in_a_later_step_is_refused_by_name(model: Any) -> None:
+    class Truncating(HFCausalLM):
+        def forward(self, batch: Any) -> torch.Tensor:
+            logits = super().forward(batch)
+            return logits[:1] if batch.host.max_seg_len == 1 and batch.sample_rows.numel() > 1 else logits
+
+    fmap = FutureMap(256)
+    step = MultiStepTokenStep(
+        Truncating(model, max_requests=ROWS, max_len=MAX_LEN), Sampler(history_rows=ROWS)
+    )
+    sched = ContinuousBatcher(
+        workload(), fmap, eos=NO_STOP, max_running=ROWS, history_rows=ROWS, multi_step=4
+    )
+    with pytest.raises(ValueError, match=r"decode \d of 4\) must return \[\d, vocab\] logits"):
+        OverlapRuntime(step, fmap, trace=False).run(sched)
+    assert fmap.in_use == 0
