@@ -38,6 +38,7 @@ BENCHES = [
     "bench_hf",
     "bench_spec",
     "bench_generate",
+    "bench_multistep",
 ]
 # What a full run rewrites: files a run of older benchmarks left behind go too.
 OWNED = (".csv", ".png", ".html", "meta.json", "summary.json", "README.md")

@@ -102,6 +102,24 @@ for _b in (1, 8):
             _what = f"spec: overlap / sync tokens/s, {_w}, batch {_b}, {_d}"
             TARGETS.append((_what, ">=", 1.0, f"spec.{_w} b{_b} {_d}.overlap_over_sync"))
 
+# Multi-step decode (bench_multistep): CPU targets of the multi-step issue, K = 4 against K = 1.
+TARGETS += [
+    ("multistep: host CPU per token, K=4 / K=1 (host-bound)", "<=", 0.35, "multistep.K4.host_cpu_over_k1"),
+    ("multistep: wall time per token, K=4 / K=1 (T_cpu = 2 T_dev)", "<=", 0.6, "multistep.K4.wall_over_k1"),
+    (
+        "multistep: tokens wasted per ended request, K=4, sync (<= K-1)",
+        "<=",
+        3,
+        "multistep.K4.wasted_per_ended_request_sync",
+    ),
+    (
+        "multistep: generate tokens/s, K=4 / K=1, 3M Llama, batch 8",
+        ">=",
+        1.5,
+        "multistep.K4.generate_over_k1",
+    ),
+]
+
 # End to end through the front door (bench_generate): tfuture.generate against Hugging Face
 # generate, every cell (model, torch threads, batch) judged on its own.
 for _size in ("3M", "80M"):

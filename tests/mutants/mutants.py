@@ -956,8 +956,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "multistep-later-step-position",
         "tfuture/spec/multistep.py",
-        "ForwardBatch(rec.step, ids, pos + j, rows, req_ids, pos + j + 1,",
-        "ForwardBatch(rec.step, ids, pos + j - 1, rows, req_ids, pos + j,",
+        "ForwardBatch(rec.step, ids, pos[j], rows, req_ids, pos[j + 1],",
+        "ForwardBatch(rec.step, ids, pos[j - 1], rows, req_ids, pos[j],",
         MULTISTEP,
         "a window's later steps feed each token at the previous position (its KV overwrites the last)",
     ),

@@ -170,3 +170,54 @@ def test_a_model_that_returns_the_wrong_rows_in_a_later_step_is_refused_by_name(
     with pytest.raises(ValueError, match=r"decode \d of 4\) must return \[\d, vocab\] logits"):
         OverlapRuntime(step, fmap, trace=False).run(sched)
     assert fmap.in_use == 0
+
+
+# --- the front door ------------------------------------------------------------------------
+
+
+def test_generate_with_multi_step_equals_plain_decoding(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    prompts = [[5, 7, 9, 11], [3, 4, 5], [9, 9], [20, 21, 22, 23, 24]]
+    free = tfuture.generate(
+        model, prompts[:1], GenerationParams(max_tokens=6, temperature=0, ignore_eos=True)
+    )
+    params = [
+        GenerationParams(max_tokens=10, temperature=0, ignore_eos=True),
+        GenerationParams(max_tokens=7, temperature=0.9, seed=4, ignore_eos=True),
+        GenerationParams(max_tokens=9, temperature=0, stop_token_ids=[free[0].token_ids[2]]),  # mid-window
+        GenerationParams(max_tokens=5, temperature=0.8, seed=2, frequency_penalty=0.5, ignore_eos=True),
+    ]
+    prompts[2] = prompts[0]  # the stop token is its third token
+    want = tfuture.generate(model, prompts, params)
+    for overlap in (True, False):
+        got = tfuture.generate(model, prompts, params, multi_step=4, overlap=overlap)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+        assert got[2].finish_reason == "stop" and len(got[2].token_ids) == 3
+        assert got.stats.steps < want.stats.steps  # launches: windows of up to 4 decode steps
+
+
+def test_an_engine_with_multi_step_streams_and_aborts(model: Any) -> None:
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    with tfuture.Engine(model, max_len=64, multi_step=4) as eng:
+        stream = eng.stream(
+            [[1, 2, 3], [4, 5]], GenerationParams(max_tokens=40, temperature=0, ignore_eos=True)
+        )
+        first = next(stream)
+        assert 1 <= len(first.tokens) <= 4  # a window's tokens arrive together
+        stream.close()  # aborts both requests mid-run
+        eng.close(timeout=30)
+        assert not eng.busy and eng.fmap.in_use == 0
+
+
+def test_the_front_door_refuses_multi_step_with_speculation_and_bad_values(model: Any) -> None:
+    import tfuture
+
+    with pytest.raises(ValueError, match="do not combine yet"):
+        tfuture.Engine(model, max_len=64, multi_step=2, speculative=tfuture.NGramDrafter(k=2))
+    with pytest.raises(ValueError, match="multi_step"):
+        tfuture.Engine(model, max_len=64, multi_step=0)

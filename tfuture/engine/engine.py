@@ -61,6 +61,7 @@ from tfuture.scheduler.serving import (
     TokenUpdate,
     UpdateCallback,
 )
+from tfuture.spec.multistep import MultiStepTokenStep
 from tfuture.streams.stats import RunStats
 
 __all__ = [
@@ -108,6 +109,13 @@ class Engine:
             a step (greedy output equal to plain decoding; sampled output following the model's
             distribution exactly; penalties too). A structured-output request's drafts are
             checked by its grammar's masks, one per draft. None (the default): plain decoding.
+        multi_step: decode steps per window (``K``; 1, the default: one per step). A window
+            is one schedule, one launch and one result for ``K`` tokens per request, each step's
+            input the previous one's output on the device (:class:`tfuture.spec.MultiStepTokenStep`):
+            for small models whose host work per step outweighs the device's. The tokens are
+            those of plain decoding for every ``K``; a finish inside a window drops the tokens
+            past it (``stats``/the scheduler's ``extra_tokens``); a window with a grammar
+            request runs one step. Not with ``speculative`` (yet).
 
     Use it as a context manager, or call :meth:`close`: it aborts what is live, waits for
     the background thread, and gives a Hugging Face model it wrapped back its train/eval mode
@@ -133,13 +141,21 @@ class Engine:
         delay: str = "batch",
         trace: bool = False,
         speculative: Any = None,
+        multi_step: int = 1,
     ) -> None:
         _check_tokenizer(tokenizer)
         max_running = _count("max_running", max_running)
         if max_len is not None:
             max_len = _count("max_len", max_len)
+        multi_step = _count("multi_step", multi_step)
         self.drafter = check_drafter(speculative)
-        extra = margin(self.drafter)  # KV positions for drafts verified past a request's end
+        if multi_step > 1 and self.drafter is not None:
+            raise ValueError(
+                f"multi_step={multi_step} and speculative= do not combine yet: a speculative step already "
+                "gives several tokens per request (pass one of them)"
+            )
+        # KV positions for drafts verified, or a window's steps run, past a request's end.
+        extra = margin(self.drafter) + multi_step - 1
         if max_len is not None:
             # The requests' positions: drafts verified past a request's end are discarded.
             _check_context(max_len, context(model))
@@ -156,7 +172,10 @@ class Engine:
             k = 0 if self.drafter is None else self.drafter.k
             self.fmap = FutureMap((4 * max_running + 8) * (1 + k), device=_device(self.model, device))
             self.sampler = Sampler(history_rows=rows)
-            if self.drafter is None:
+            if multi_step > 1:
+                window = MultiStepTokenStep(self.model, self.sampler)
+                self.runtime = OverlapRuntime(window, self.fmap, overlap=overlap, stream=stream, trace=trace)
+            elif self.drafter is None:
                 self.runtime = OverlapRuntime(
                     self.model, self.fmap, overlap=overlap, stream=stream, sampler=self.sampler, trace=trace
                 )
@@ -177,6 +196,7 @@ class Engine:
                 history_rows=rows,
                 retain=False,
                 speculative=k,
+                multi_step=multi_step,
             )
             self.max_running = max_running
             self.last_stats: RunStats | None = None  # the last run that ended normally

@@ -23,6 +23,12 @@ __all__ = ["DraftBatch", "DraftResult"]
 _NONE = np.empty(0, dtype=np.int64)
 
 
+_WINDOW_WAITS = (
+    "DraftBatch.n_steps={k} runs several decode steps at once: no request may verify or make drafts, "
+    "or wait for a mask (its mask is for one position), in such a step"
+)
+
+
 def _counts(name: str, a: object, n: int) -> np.ndarray:
     """``a`` as ``[n]`` int64 counts >= 0 (an empty array: zeros), else a clear error."""
     if isinstance(a, np.ndarray) and a.size == 0 and a.ndim == 1:
@@ -66,18 +72,20 @@ class DraftBatch(Batch):
 
     def __post_init__(self) -> None:
         Batch.__post_init__(self)
-        n = self.seg_lens.size
-        v = self.n_verify = _counts("n_verify", self.n_verify, n)
-        d = self.n_draft = _counts("n_draft", self.n_draft, n)
-        k = self.n_steps
+        n, k = self.seg_lens.size, self.n_steps
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
             raise ValueError(f"DraftBatch.n_steps must be an int >= 1, got {k!r}")
         self.n_steps = int(k)
+        if self.n_verify is _NONE and self.n_draft is _NONE:
+            # No drafts (a multi-step window, or plain requests): nothing of theirs to check.
+            self.n_verify = self.n_draft = np.zeros(n, dtype=np.int64)
+            if k > 1 and np.any(self.delayed & self.sample):
+                raise ValueError(_WINDOW_WAITS.format(k=k))
+            return
+        v = self.n_verify = _counts("n_verify", self.n_verify, n)
+        d = self.n_draft = _counts("n_draft", self.n_draft, n)
         if k > 1 and (v.any() or d.any() or np.any(self.delayed & self.sample)):
-            raise ValueError(
-                f"DraftBatch.n_steps={k} runs several decode steps at once: no request may verify or "
-                "make drafts, or wait for a mask (its mask is for one position), in such a step"
-            )
+            raise ValueError(_WINDOW_WAITS.format(k=k))
         bad = np.flatnonzero(((v > 0) | (d > 0)) & ~self.sample)
         if bad.size:
             q = int(bad[0])

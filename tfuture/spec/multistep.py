@@ -29,6 +29,7 @@ import torch
 
 from tfuture.core.batch import ForwardBatch, HostMeta, Model
 from tfuture.sampling import Sampler
+from tfuture.sampling.filters import greedy_tokens
 from tfuture.spec.batch import DraftBatch
 from tfuture.spec.drafter import DraftContext
 from tfuture.spec.penalties import penalise_rows, record_committed
@@ -114,13 +115,17 @@ class MultiStepTokenStep(SpecTokenStep):
         rows = torch.arange(n, dtype=torch.int64, device=dev)
         starts = torch.arange(n + 1, dtype=torch.int64, device=dev)
         req_ids = fwd.req_ids.index_select(0, inputs.sample_idx)
-        pos = fwd.positions.index_select(0, inputs.vrows)  # each request's last input position
+        k = state.n_steps
+        # Each request's last input position, then one more per later step: [k + 1, n].
+        pos = fwd.positions.index_select(0, inputs.vrows) + torch.arange(k + 1, device=dev).unsqueeze(1)
         none, off = rows.new_zeros(n), rows.new_zeros(n, dtype=torch.bool)
         sampler, dev_params = self.sampler, self.row_params_on_device(state)
+        greedy = state.pen is None and dev_params is None
         tokens, tok = [v.last], v.last
         for j, host in enumerate(state.later, start=1):
-            ids = tok.clamp_min(0).to(fwd.input_ids.dtype)  # -1 (no valid token): the host raises
-            step = ForwardBatch(rec.step, ids, pos + j, rows, req_ids, pos + j + 1, rows, rows, starts, host)
+            # A greedy token is a valid id; a sampled row may have none (-1: the host raises).
+            ids = (tok if greedy else tok.clamp_min(0)).to(fwd.input_ids.dtype)
+            step = ForwardBatch(rec.step, ids, pos[j], rows, req_ids, pos[j + 1], rows, rows, starts, host)
             logits = self.model.forward(step)
             if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
                 got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -128,16 +133,18 @@ class MultiStepTokenStep(SpecTokenStep):
                     f"forward of step {rec.step} (decode {j + 1} of {state.n_steps}) must return "
                     f"[{n}, vocab] logits, got {got}"
                 )
-            if state.pen is not None:
-                assert sampler is not None
-                logits = penalise_rows(logits, sampler.history, state.pen, inputs.penalties, ids)
-            w = verify_rows(logits, none, off, rows, n, 1, state.rp, dev_params, pos + j + 1)
-            if state.pen is not None:
-                assert sampler is not None
-                record_committed(sampler.history, inputs.hist_req, w.committed, w.n_commit)
-            tok = w.last
+            if greedy:
+                tok = greedy_tokens(logits)  # greedy without penalties: verification is the argmax
+            else:
+                if state.pen is not None:
+                    assert sampler is not None
+                    logits = penalise_rows(logits, sampler.history, state.pen, inputs.penalties, ids)
+                w = verify_rows(logits, none, off, rows, n, 1, state.rp, dev_params, pos[j + 1])
+                if state.pen is not None:
+                    assert sampler is not None
+                    record_committed(sampler.history, inputs.hist_req, w.committed, w.n_commit)
+                tok = w.last
             tokens.append(tok)
-        k = state.n_steps
         state.verified = Verified(
             torch.stack(tokens, 1), torch.full((n,), k, dtype=torch.int64, device=dev), tok
         )

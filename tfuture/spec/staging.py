@@ -90,6 +90,8 @@ def stage_drafts(
         k: the drafter's drafts per step.
     """
     n = sreq.size
+    if not n_verify.any() and not n_draft.any():
+        return _stage_plain(batch, sreq, packed, hist_req, inputs, splan)
     v, kd = n_verify[sreq], n_draft[sreq]
     ends = np.cumsum(batch.seg_lens)[sreq] if n else _NONE
     width = int(v.max(initial=0)) + 1
@@ -132,3 +134,46 @@ def stage_drafts(
         _NONE if pen is None else hist_req,
     )
     return DraftPlan(staged, int((1 + kd).sum()), rp, width, v, pen, splan)
+
+
+def _stage_plain(
+    batch: Batch,
+    sreq: np.ndarray,
+    packed: np.ndarray,
+    hist_req: np.ndarray,
+    inputs: TokenInputs,
+    splan: SamplerPlan,
+) -> DraftPlan:
+    """:func:`stage_drafts` of a step where no request verifies or makes drafts (a multi-step
+    window, a speculative step of plain requests): one verification row per sampling request,
+    its last token row; every input is a committed token, so the sampler plan keeps them all."""
+    n = sreq.size
+    rows, zeros = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    vrows = np.cumsum(batch.seg_lens)[sreq] - 1 if n else _NONE
+    rp = row_params(packed) if n else None
+    pen = plan_penalties(packed, hist_req, vrows, zeros) if n else None
+    params = _NONE
+    if rp is not None and rp.sampled:
+        params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
+    staged = DraftInputs(  # type: ignore[call-arg]
+        *inputs,
+        vrows,
+        vrows,
+        zeros,
+        rows,
+        _NONE,
+        _NONE,
+        _NONE,
+        _NONE,
+        _NONE,
+        zeros,
+        sreq,
+        rows,
+        rows,
+        _NONE,
+        _NONE,
+        params,
+        _NONE if pen is None else pen.words,
+        _NONE if pen is None else hist_req,
+    )
+    return DraftPlan(staged, n, rp, 1, zeros, pen, splan)

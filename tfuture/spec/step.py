@@ -33,6 +33,7 @@ from tfuture.core.future_fields import FutureFields
 from tfuture.core.future_map import FutureMap
 from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import Sampler
+from tfuture.sampling.filters import greedy_tokens
 from tfuture.spec.batch import DraftBatch, DraftResult
 from tfuture.spec.drafter import DraftContext, Drafter
 from tfuture.spec.penalties import (
@@ -41,7 +42,7 @@ from tfuture.spec.penalties import (
     record_committed,
 )
 from tfuture.spec.staging import stage_drafts
-from tfuture.spec.verify import RowParams, verify_rows
+from tfuture.spec.verify import RowParams, Verified, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import check_rows, check_width, mask_on_stream
 from tfuture.steps.token import TokenStep
@@ -246,11 +247,25 @@ class SpecTokenStep(TokenStep):
             sampler.vocab = sampler.vocab or int(logits.shape[1])
             sampler.history.ensure(sampler.vocab, logits.device)
             logits = penalise_rows(logits, sampler.history, state.pen, inputs.penalties, fwd.input_ids)
-        drafts = fwd.input_ids.index_select(0, inputs.draft_src).to(torch.int64)
-        positions = fwd.positions.index_select(0, inputs.vrows) + 1
-        state.verified = v = verify_rows(
-            logits, drafts, inputs.is_draft.bool(), inputs.pad_pos, n, state.width, rp, dev_params, positions
-        )
+        if state.width == 1 and dev_params is None:
+            # No request verifies a draft and none samples: verification is the argmax.
+            last = greedy_tokens(logits)
+            v = Verified(last.unsqueeze(1), torch.ones_like(last), last)
+        else:
+            drafts = fwd.input_ids.index_select(0, inputs.draft_src).to(torch.int64)
+            positions = fwd.positions.index_select(0, inputs.vrows) + 1
+            v = verify_rows(
+                logits,
+                drafts,
+                inputs.is_draft.bool(),
+                inputs.pad_pos,
+                n,
+                state.width,
+                rp,
+                dev_params,
+                positions,
+            )
+        state.verified = v
         if state.pen is not None:
             assert sampler is not None
             record_committed(sampler.history, inputs.hist_req, v.committed, v.n_commit)
@@ -291,6 +306,9 @@ class SpecTokenStep(TokenStep):
         v = state.verified
         if v is None:
             return
+        if not self.k:  # no drafts: each request's one slot takes its last committed token
+            state.store_tokens = v.last.clamp_min(0)
+            return
         assert state.new_len is not None and state.fwd is not None and state.fwd.host is not None
         ctx = DraftContext(
             state.fwd.host.req_ids[state.sample_reqs], v.committed, v.n_commit, state.new_len, state.max_len
@@ -318,7 +336,8 @@ class SpecTokenStep(TokenStep):
         inputs: Any = rec.state.inputs
         assert state.store_tokens is not None
         self.fmap.launch_store(rec.out, state.store_tokens)
-        self.fields.store(rec.out, {"seq_len": state.new_len.index_select(0, inputs.out_req)})
+        if self.k:  # read by a next step that verifies drafts: none without a drafter
+            self.fields.store(rec.out, {"seq_len": state.new_len.index_select(0, inputs.out_req)})
 
     # -- host, after copy_done ---------------------------------------------------------------
 
