@@ -102,7 +102,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps.token_state"},  # a token step's records
     {"tfuture.steps.token", "tfuture.steps.speculative"},
     {"tfuture.spec.staging", "tfuture.spec.step"},  # the token step with drafts: its plan, its ops
-    {"tfuture.spec.multistep"},  # several decode steps per launch, on the speculative step
+    {"tfuture.spec.multistep"},  # several decode steps per launch: the token step, chained
     {"tfuture.grammars.*"},
     {"tfuture.runtime"},
     {"tfuture.scheduler.*"},  # ContinuousBatcher, ServingScheduler, RequestSpec, GenerationParams

@@ -58,11 +58,11 @@ def ngram() -> NGramDrafter:
 
 
 def spec_run(
-    rank: int, world: int, port: int, tp: int, pp: int, reference: dict[int, list[int]]
+    rank: int, world: int, port: int, tp: int, pp: int, reference: dict[int, list[int]], light: bool = False
 ) -> dict[str, Any]:
     """The greedy workload, speculative: the oracle drafter in sync and overlapped under stream
     delays (debug checks on: every step's batch and stored tokens compared across ranks), and
-    the n-gram drafter overlapped."""
+    the n-gram drafter overlapped (``light``: the overlapped oracle run only)."""
     ctx = join(rank, world, port, tp, pp)
     runs: dict[str, Any] = {}
     variants = [
@@ -71,7 +71,7 @@ def spec_run(
         ("ngram_overlap", True, lambda _ref: ngram(), False),
     ]
     try:
-        for name, overlap, make, debug in variants:
+        for name, overlap, make, debug in variants[1:2] if light else variants:
             fmap = FutureMap(96, device="cpu", debug=debug)
             groups = [
                 ContinuousBatcher(part, fmap, eos=EOS, max_running=2, speculative=K)

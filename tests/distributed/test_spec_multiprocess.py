@@ -26,6 +26,12 @@ def pool2() -> Iterator[RankPool]:
 
 
 @pytest.fixture(scope="module")
+def pool4() -> Iterator[RankPool]:
+    with RankPool(4) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
 def reference() -> dict[int, list[int]]:
     return ds.reference()
 
@@ -51,6 +57,13 @@ def test_speculative_greedy_equals_plain_single_rank(
     pool2: RankPool, reference: dict[int, list[int]], tp: int, pp: int
 ) -> None:
     _check(pool2.run(dss.spec_run, tp, pp, reference, timeout_s=JOIN_S), reference)
+
+
+def test_speculative_tensor_2_x_pipeline_2_equals_plain_single_rank(
+    pool4: RankPool, reference: dict[int, list[int]]
+) -> None:
+    # The overlapped oracle run only, debug checks on (4 processes share 2 cores).
+    _check(pool4.run(dss.spec_run, 2, 2, reference, True, timeout_s=JOIN_S), reference)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])

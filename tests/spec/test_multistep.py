@@ -221,3 +221,35 @@ def test_the_front_door_refuses_multi_step_with_speculation_and_bad_values(model
         tfuture.Engine(model, max_len=64, multi_step=2, speculative=tfuture.NGramDrafter(k=2))
     with pytest.raises(ValueError, match="multi_step"):
         tfuture.Engine(model, max_len=64, multi_step=0)
+
+
+def test_a_step_kind_without_windows_refuses_a_window_by_name(model: Any) -> None:
+    """ContinuousBatcher(multi_step=K) driven by the plain token step: refused at the first
+    window, never run one step with the host counting K tokens."""
+    fmap = FutureMap(256)
+    hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
+    sched = ContinuousBatcher(workload(), fmap, eos=NO_STOP, max_running=ROWS, multi_step=4)
+    with pytest.raises(ValueError, match=r"TokenStep runs one decode step per launch.*n_steps=4"):
+        OverlapRuntime(hf, fmap, trace=False, sampler=Sampler()).run(sched)
+    assert fmap.in_use == 0
+
+
+def test_one_step_windows_under_a_tight_token_budget_equal_plain(model: Any) -> None:
+    """A grammar request makes its windows one step, and a token budget of 2 makes decodes wait
+    behind prefill chunks: after a processed window a request takes its last token from the
+    host, whatever the window's length (its slots go back once a later step launched)."""
+    grammar = ToyGrammar(VOCAB, seed=2)
+    specs = [replace(s, grammar=s.rid == 1, arrival=0, max_new=6) for s in workload()]
+    kw: dict[str, Any] = dict(grammar=grammar, delay="rows", token_budget=2, chunk=2)
+    want = run(model, specs, 1, **kw).outputs
+    for overlap in (True, False):
+        assert run(model, specs, 4, overlap=overlap, **kw).outputs == want
+
+
+def test_an_engine_refuses_max_len_whose_window_runs_past_the_context() -> None:
+    import tfuture
+
+    small = build_llama(vocab=VOCAB, hidden=32, layers=1, seed=1, max_len=32)
+    with pytest.raises(ValueError, match=r"plus the 3 that .* exceed the model's context of 32"):
+        tfuture.Engine(small, max_len=32, multi_step=4)
+    tfuture.Engine(small, max_len=29, multi_step=4).close()

@@ -69,7 +69,9 @@ class ParallelRuntime:
         if speculative is None:
             self.kind = ParallelStep(model, ctx, check=self.check, buckets=buckets, sampler=sampler)
         elif buckets is not None:
-            raise ValueError("a speculative run takes no buckets (its steps are never padded), got buckets=")
+            raise ValueError(
+                f"a speculative run takes no buckets (its steps are never padded), got buckets={buckets!r}"
+            )
         else:
             self.kind = ParallelSpecStep(model, ctx, speculative, check=self.check, sampler=sampler)
         self.runtime = OverlapRuntime(

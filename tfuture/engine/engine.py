@@ -157,8 +157,9 @@ class Engine:
         # KV positions for drafts verified, or a window's steps run, past a request's end.
         extra = margin(self.drafter) + multi_step - 1
         if max_len is not None:
-            # The requests' positions: drafts verified past a request's end are discarded.
-            _check_context(max_len, context(model))
+            # The requests' positions, and the ones drafts or a window's steps reach past a
+            # request's end (their tokens are discarded, but the model still sees the position).
+            _check_context(max_len, context(model), extra)
         pool_max = None if max_len is None else max_len + extra
         self.model, pool_len, give_back = _adapt(model, max_running, pool_max)
         # What gives a Hugging Face model wrapped here its mode and attention back (at close).

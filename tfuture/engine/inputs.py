@@ -101,12 +101,21 @@ def context(model: Any) -> tuple[int, str] | None:
     return None
 
 
-def _check_context(max_len: int, ctx: tuple[int, str] | None) -> None:
+def _check_context(max_len: int, ctx: tuple[int, str] | None, extra: int = 0) -> None:
+    """Refuse ``max_len`` (plus ``extra`` positions that drafts or a multi-step window may run
+    past a request's end) beyond the model's context ``ctx``."""
     if ctx is not None and max_len > ctx[0]:
         raise ValueError(
             f"max_len={max_len} positions per request exceeds the model's context of {ctx[0]} "
             f"positions ({ctx[1]}): positions past it were never trained (a RoPE model gives wrong "
             "tokens silently, a learned-position model fails)"
+        )
+    if ctx is not None and max_len + extra > ctx[0]:
+        raise ValueError(
+            f"max_len={max_len} positions per request plus the {extra} that speculative drafts or a "
+            f"multi-step window may run past a request's end exceed the model's context of {ctx[0]} "
+            f"positions ({ctx[1]}; a learned-position model fails there): give max_len <= "
+            f"{ctx[0] - extra}, or fewer drafts or window steps"
         )
 
 

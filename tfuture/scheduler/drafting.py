@@ -150,10 +150,9 @@ class DraftScheduling:
         for r, toks, v in zip(result.batch.tag, result.per_request(), result.n_drafted.tolist(), strict=True):
             r.n_pending -= 1
             r.pending_extra -= v + steps - 1
-            if steps > 1:
-                r.sure_extra -= steps - 1
-                if r.pending is not None and r.pending[0] is result.batch:
-                    r.pending = None  # its next window takes the last token from the host
+            r.sure_extra -= steps - 1
+            if not self.speculative and r.pending is not None and r.pending[0] is result.batch:
+                r.pending = None  # a window's: its next one takes the last token from the host
             if not r.finished:
                 r.steps += steps
                 r.drafted += v

@@ -3,149 +3,211 @@
 Small, fast models are host-bound even with overlap: scheduling and processing a step costs the
 host more than the device's step. :class:`MultiStepTokenStep` runs a window of ``K`` decode
 steps as one runtime step: one schedule, one launch, one copy and one process for ``K`` tokens
-per request. On the forward stream the window's first forward is the token step's own
-(prefill chunks, placeholders resolved by the fused prepare); each later one feeds every
+per request. It is the token step, plan and first step included (prefill chunks, placeholders
+resolved by the fused prepare, the Sampler's sample); each later step of the window feeds every
 sampling request the token the previous one sampled, at the next position, so step ``j + 1``'s
 input is step ``j``'s output with no host round trip. The last token goes into the request's
 future slot, which the next window names as its input, like a plain step's.
 
-Sampling is the speculative step's verification with no drafts (:mod:`tfuture.spec.verify`):
-the Sampler's filters and penalty formula, draws keyed by (seed, position), so a seeded request
-gives the same tokens for every ``K``; penalties are exact (the device history counts each
-token as it is sampled). The host learns the ``K`` tokens when it processes the window; a finish
-(eos, stop token, ``max_tokens``, abort) inside it cuts the output there and the tokens past it
-are dropped and counted (:class:`tfuture.scheduler.ContinuousBatcher`'s ``extra_tokens``). Their
+The later steps sample as the Sampler does: greedy rows take the argmax; sampled rows and
+penalties go through :func:`tfuture.spec.verify.verify_rows` with no drafts (the Sampler's
+filters and penalty formula, draws keyed by (seed, position): the Sampler's own tokens), so a
+request gives the same tokens for every ``K``, and the device history counts each token as it
+is sampled. The host learns the ``K`` tokens when it processes the window; a finish (eos, stop
+token, ``max_tokens``, abort) inside it cuts the output there and the tokens past it are
+dropped and counted (:class:`tfuture.scheduler.ContinuousBatcher`'s ``extra_tokens``). Their
 KV positions belong to a finished request, whose rows are released. A window with a grammar
-request (its mask is for one position) runs ``K = 1``; the scheduler decides per window
-(``DraftBatch.n_steps``).
+request (its mask is for one position) runs ``K = 1``, as the plain token step; the scheduler
+decides per window (``DraftBatch.n_steps``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from tfuture.core.batch import ForwardBatch, HostMeta, Model
+from tfuture.core.batch import ForwardBatch, HostMeta, Model, StepResult
 from tfuture.sampling import Sampler
 from tfuture.sampling.filters import greedy_tokens
-from tfuture.spec.batch import DraftBatch
-from tfuture.spec.drafter import DraftContext
-from tfuture.spec.penalties import penalise_rows, record_committed
-from tfuture.spec.step import SpecState, SpecTokenStep
-from tfuture.spec.verify import Verified, verify_rows
-from tfuture.steps.base import InFlight, Op
+from tfuture.spec.batch import DraftResult
+from tfuture.spec.penalties import PenaltyPlan, penalise_rows, plan_penalties, record_committed
+from tfuture.spec.verify import RowParams, row_params, verify_rows
+from tfuture.steps.base import InFlight, Op, StepPlan
+from tfuture.steps.token import TokenStep
+from tfuture.steps.token_state import TokenInputs, TokenState
 
 __all__ = ["MultiStepTokenStep"]
 
-
-class NoDrafts:
-    """The drafter of a step that makes no drafts (``k = 0``)."""
-
-    k = 0
-
-    def bind(self, max_requests: int, max_len: int, device: torch.device) -> None:
-        """Nothing to hold."""
-
-    def observe(self, fwd: ForwardBatch) -> None:
-        """Nothing to see."""
-
-    def draft(self, ctx: DraftContext) -> torch.Tensor:
-        return torch.empty(len(ctx.req_ids), 0, dtype=torch.int64, device=ctx.committed.device)
-
-    def release(self, req_ids: np.ndarray) -> None:
-        """Nothing held."""
-
-    def close(self) -> None:
-        """Nothing held."""
+_NONE = np.empty(0, dtype=np.int64)
 
 
-class MultiStepState(SpecState):
-    """A window's record: the speculative step's, plus its later steps' host mirrors."""
+#: A window's staged arrays: the token step's (:class:`TokenInputs`), then what its later steps
+#: sample with when a row samples or has penalties (else empty): ``params`` (``[3 * n]`` float64
+#: bits, ``[n]`` top_k, ``[n]`` seeds), ``penalties`` (:class:`PenaltyPlan` words) and
+#: ``hist_req [n]`` (history rows).
+WindowInputs = NamedTuple(  # type: ignore[misc]  # the field list is TokenInputs' plus ours
+    "WindowInputs", [(name, Any) for name in (*TokenInputs._fields, "params", "penalties", "hist_req")]
+)
 
+
+class WindowState(TokenState):
+    """A window's record: the token step's, plus its later steps' host mirrors and plans."""
+
+    n_steps: int = 1
     later: tuple[HostMeta, ...] = ()
+    rp: RowParams | None = None  # the rows' parameters, when a row samples
+    pen: PenaltyPlan | None = None  # the rows' penalties, when a row has any
+    extra: Any = None  # the device views of the WindowInputs beyond the token step's
+    tokens: torch.Tensor | None = None  # [n_sample, n_steps] int64, the window's tokens
 
 
-class MultiStepTokenStep(SpecTokenStep):
+class MultiStepTokenStep(TokenStep):
     """The token step of ``model`` that runs ``DraftBatch.n_steps`` decode steps per launch (see
     the module docstring); a plain :class:`tfuture.core.batch.Batch` or ``n_steps = 1`` is one
     step. ``sampler``: the :class:`tfuture.sampling.Sampler` whose admitted parameters the
     requests use (a default one if None)."""
 
-    stream_ops = (*SpecTokenStep.stream_ops, "decode")
-    state_type = MultiStepState
+    stream_ops = (*TokenStep.stream_ops, "decode")
+    state_type = WindowState
+    windows = True
 
     def __init__(self, model: Model, sampler: Sampler | None = None) -> None:
-        super().__init__(model, NoDrafts(), sampler)
+        super().__init__(model, sampler=sampler if sampler is not None else Sampler())
 
     # -- host, at launch ---------------------------------------------------------------------
 
-    def plan_spec(self, batch: Any) -> tuple[SpecState, Any, int]:
-        state, staged, n_out = super().plan_spec(batch)
-        k = batch.n_steps if isinstance(batch, DraftBatch) else 1
-        if k > 1 and state.n_sample:
-            assert isinstance(state, MultiStepState)
-            sreq = state.sample_reqs
-            # Step j (1-based, after the first) feeds the token at position L + j - 1, where L is
-            # the request's length after the first step's inputs: exact (no drafts in a window).
-            length = (batch.prefix_lens + batch.seg_lens)[sreq]
-            req_ids, n = batch.req_ids[sreq], sreq.size
-            ones, rows = np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64)
-            state.later = tuple(HostMeta(ones, length + j - 1, req_ids, rows, n, 1) for j in range(1, k))
-            state.n_steps = k  # the verification's width stays 1: no drafts
-        return state, staged, n_out
+    def plan(self, batch: Any) -> StepPlan:
+        k = int(getattr(batch, "n_steps", 1))
+        state, inputs = self.plan_batch(batch)
+        assert isinstance(state, WindowState)
+        n = state.sample_reqs.size
+        if k == 1 or not n:
+            staged = WindowInputs(*inputs, _NONE, _NONE, _NONE)  # type: ignore[call-arg]
+            return StepPlan(n, staged, state, bool(state.late.size))
+        sreq, splan = state.sample_reqs, state.splan
+        # Step j (1-based, after the first) feeds the token at position L + j - 1, where L is the
+        # request's length after the first step's inputs: exact (no drafts in a window).
+        length = (batch.prefix_lens + batch.seg_lens)[sreq]
+        req_ids = batch.req_ids[sreq]
+        ones, rows = np.ones(n, dtype=np.int64), np.arange(n, dtype=np.int64)
+        state.later = tuple(HostMeta(ones, length + j - 1, req_ids, rows, n, 1) for j in range(1, k))
+        state.n_steps = k
+        params = penalties = hist = _NONE
+        if splan.sampled or splan.penalized:
+            assert self.sampler is not None
+            packed = self.sampler.packed_params(req_ids)
+            if splan.sampled:
+                state.rp = rp = row_params(packed)
+                params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
+            hist = self.sampler.history_rows_of(req_ids)
+            state.pen = plan_penalties(packed, hist, rows, np.zeros(n, dtype=np.int64))
+            if state.pen is not None:
+                penalties = state.pen.words
+        staged = WindowInputs(*inputs, params, penalties, hist)  # type: ignore[call-arg]
+        return StepPlan(n, staged, state, bool(state.late.size))
 
     # -- forward stream ----------------------------------------------------------------------
+
+    def prepare(self, rec: InFlight, inputs: Any) -> None:  # WindowInputs (device views)
+        super().prepare(rec, TokenInputs(*inputs[: len(TokenInputs._fields)]))
+        rec.state.extra = inputs
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
         ops = super().sample_ops(rec, mask)
         if rec.state.n_steps > 1:
-            ops.insert(1, ("decode", lambda: self._decode(rec)))  # after verify, before store
+            ops[-1] = ("decode", lambda: self._decode(rec))  # its later steps, then its store
+            ops.append(("store", lambda: self._store_last(rec)))
         return ops
 
     def _decode(self, rec: InFlight) -> None:
         """The window's later steps: each request's last token in, the next one out."""
-        state: MultiStepState = rec.state
-        v, fwd, inputs, n = state.verified, state.fwd, state.inputs, state.n_sample
-        if v is None:
-            return
-        assert fwd is not None and state.rp is not None and state.new_len is not None
-        dev = v.last.device
+        state: WindowState = rec.state
+        fwd, n, k = state.fwd, state.n_sample, state.n_steps
+        assert fwd is not None and state.sampled is not None
+        first = state.sampled.to(torch.int64)
+        dev = first.device
         rows = torch.arange(n, dtype=torch.int64, device=dev)
         starts = torch.arange(n + 1, dtype=torch.int64, device=dev)
-        req_ids = fwd.req_ids.index_select(0, inputs.sample_idx)
-        k = state.n_steps
+        req_ids = fwd.req_ids.index_select(0, fwd.sample_reqs)
         # Each request's last input position, then one more per later step: [k + 1, n].
-        pos = fwd.positions.index_select(0, inputs.vrows) + torch.arange(k + 1, device=dev).unsqueeze(1)
+        pos = fwd.positions.index_select(0, fwd.sample_rows) + torch.arange(k + 1, device=dev).unsqueeze(1)
+        extra, sampler = state.extra, self.sampler
+        dev_params = None
+        if state.rp is not None:
+            words = extra.params
+            dev_params = (words[: 3 * n].view(torch.float64).view(3, n), words[3 * n : 4 * n], words[4 * n :])
         none, off = rows.new_zeros(n), rows.new_zeros(n, dtype=torch.bool)
-        sampler, dev_params = self.sampler, self.row_params_on_device(state)
-        greedy = state.pen is None and dev_params is None
-        tokens, tok = [v.last], v.last
+        tokens, tok = [first], first
         for j, host in enumerate(state.later, start=1):
-            # A greedy token is a valid id; a sampled row may have none (-1: the host raises).
-            ids = (tok if greedy else tok.clamp_min(0)).to(fwd.input_ids.dtype)
+            # A row with no valid token (all NaN or -inf: -1) feeds 0; the host raises on its -1.
+            ids = tok.clamp_min(0).to(fwd.input_ids.dtype)
             step = ForwardBatch(rec.step, ids, pos[j], rows, req_ids, pos[j + 1], rows, rows, starts, host)
             logits = self.model.forward(step)
             if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
                 got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
                 raise ValueError(
-                    f"forward of step {rec.step} (decode {j + 1} of {state.n_steps}) must return "
+                    f"forward of step {rec.step} (decode {j + 1} of {k}) must return "
                     f"[{n}, vocab] logits, got {got}"
                 )
-            if greedy:
-                tok = greedy_tokens(logits)  # greedy without penalties: verification is the argmax
+            if state.pen is None and dev_params is None:
+                tok = greedy_tokens(logits)  # greedy without penalties: the argmax
             else:
                 if state.pen is not None:
                     assert sampler is not None
-                    logits = penalise_rows(logits, sampler.history, state.pen, inputs.penalties, ids)
-                w = verify_rows(logits, none, off, rows, n, 1, state.rp, dev_params, pos[j + 1])
+                    logits = penalise_rows(logits, sampler.history, state.pen, extra.penalties, ids)
+                rp = state.rp if state.rp is not None else _GREEDY
+                w = verify_rows(logits, none, off, rows, n, 1, rp, dev_params, pos[j + 1])
                 if state.pen is not None:
                     assert sampler is not None
-                    record_committed(sampler.history, inputs.hist_req, w.committed, w.n_commit)
+                    record_committed(sampler.history, extra.hist_req, w.committed, w.n_commit)
                 tok = w.last
             tokens.append(tok)
-        state.verified = Verified(
-            torch.stack(tokens, 1), torch.full((n,), k, dtype=torch.int64, device=dev), tok
-        )
-        state.new_len = state.new_len + (k - 1)
+        state.tokens = torch.stack(tokens, 1)
+
+    def _store_last(self, rec: InFlight) -> None:
+        """FORWARD STREAM: each request's last token of the window into its fresh slot."""
+        state: WindowState = rec.state
+        assert self.fmap is not None and state.tokens is not None
+        self.fmap.launch_store(rec.out, state.tokens[:, -1].clamp_min(0))
+
+    # -- host, after copy_done ---------------------------------------------------------------
+
+    def n_result(self, rec: InFlight) -> int:
+        return rec.out._n * rec.state.n_steps
+
+    def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
+        state: WindowState = rec.state
+        if state.n_steps == 1:
+            super().copy_result(rec, dst)
+        elif state.tokens is not None:
+            dst.copy_(state.tokens.reshape(-1), non_blocking=True)
+
+    def result_array(self, rec: InFlight) -> np.ndarray | None:
+        return super().result_array(rec) if rec.state.n_steps == 1 else None
+
+    def result(self, rec: InFlight, words: np.ndarray) -> StepResult:
+        state: WindowState = rec.state
+        k = state.n_steps
+        if k == 1:
+            return super().result(rec, words)
+        n = state.n_sample
+        if words.size and int(words.min()) < 0:
+            i = int(np.flatnonzero(words < 0)[0] // k)
+            rid = int(rec.batch.req_ids[state.sample_reqs[i]])
+            raise ValueError(
+                f"step {rec.step}: request {rid} has no valid token to sample (its filtered "
+                "probabilities are not a distribution: a NaN or infinite logit)"
+            )
+        vocab = self._vocab
+        if vocab is not None and words.size and int(words.max()) >= vocab:
+            raise ValueError(
+                f"step {rec.step}: a sampled token {int(words.max())} is past the vocab of {vocab}"
+            )
+        counts = np.full(n, k, dtype=np.int64)
+        return DraftResult(rec.step, rec.batch, words.astype(np.int64), counts, np.zeros(n, dtype=np.int64))
+
+
+#: The parameters of greedy rows (penalties without sampling): verify_rows reads only ``sampled``.
+_GREEDY = RowParams(_NONE, _NONE, _NONE, False, False, False, False)

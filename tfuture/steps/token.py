@@ -48,6 +48,9 @@ class TokenStep(StepKind):
     """
 
     stream_ops = (*StepKind.stream_ops, "release", "forward", "sample_now", "sample", "store", "replay")
+    #: Whether it runs multi-step windows (``DraftBatch.n_steps > 1``): only
+    #: :class:`tfuture.spec.MultiStepTokenStep` does; the others refuse them.
+    windows = False
     state_type: type[TokenState] = TokenState  # a subclass may keep more per step
 
     def __init__(
@@ -104,6 +107,12 @@ class TokenStep(StepKind):
     def plan_batch(self, batch: Batch) -> tuple[TokenState, TokenInputs]:
         """The host side of ``batch``: its record and its staged arrays."""
         check_placeholders(batch)
+        if type(batch) is not Batch and not self.windows and getattr(batch, "n_steps", 1) > 1:
+            raise ValueError(
+                f"{type(self).__name__} runs one decode step per launch, but the batch asks for "
+                f"n_steps={batch.n_steps} (a multi-step window of ContinuousBatcher(multi_step=K)): "  # type: ignore[attr-defined]
+                "run it with tfuture.spec.MultiStepTokenStep"
+            )
         seg_lens, prefix, rids, sample = batch.seg_lens, batch.prefix_lens, batch.req_ids, batch.sample
         n_reqs, n_tok = seg_lens.size, batch.tokens.size
         every = count_nonzero(sample) == n_reqs
