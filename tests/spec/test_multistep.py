@@ -253,3 +253,22 @@ def test_an_engine_refuses_max_len_whose_window_runs_past_the_context() -> None:
     with pytest.raises(ValueError, match=r"plus the 3 that .* exceed the model's context of 32"):
         tfuture.Engine(small, max_len=32, multi_step=4)
     tfuture.Engine(small, max_len=29, multi_step=4).close()
+
+
+def test_a_row_without_a_valid_token_in_a_window_names_its_request(model: Any) -> None:
+    """All-NaN logits for request 2: its tokens are -1 (fed on as 0), and the window's result
+    names request 2, not a neighbour; nothing is held after the failed run."""
+
+    class NaNFor2(HFCausalLM):
+        def forward(self, batch: Any) -> torch.Tensor:
+            logits = super().forward(batch)
+            rows = batch.req_ids.index_select(0, batch.sample_reqs) == 2
+            return logits.masked_fill(rows.unsqueeze(1), float("nan"))
+
+    fmap = FutureMap(256)
+    step = MultiStepTokenStep(NaNFor2(model, max_requests=ROWS, max_len=MAX_LEN), Sampler(history_rows=ROWS))
+    specs = [replace(s, arrival=0) for s in workload()]
+    sched = ContinuousBatcher(specs, fmap, eos=NO_STOP, max_running=ROWS, history_rows=ROWS, multi_step=4)
+    with pytest.raises(ValueError, match="request 2 has no valid token to sample"):
+        OverlapRuntime(step, fmap, trace=False).run(sched)
+    assert fmap.in_use == 0

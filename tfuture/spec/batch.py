@@ -12,13 +12,14 @@ many drafts were accepted when it schedules the next step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tfuture.core.batch import Batch, StepResult
 
-__all__ = ["DraftBatch", "DraftResult"]
+__all__ = ["DraftBatch", "DraftResult", "check_committed"]
 
 _NONE = np.empty(0, dtype=np.int64)
 
@@ -129,3 +130,26 @@ class DraftResult(StepResult):
     def per_request(self) -> list[np.ndarray]:
         """Each sampling request's committed tokens, in order."""
         return np.split(self.tokens, np.cumsum(self.n_commit)[:-1]) if self.n_commit.size else []
+
+
+def check_committed(
+    step: int,
+    batch: Batch,
+    sample_reqs: np.ndarray,
+    tokens: np.ndarray,
+    vocab: int | None,
+    owner_of: Callable[[int], int],
+) -> None:
+    """HOST: raise unless every committed token of step ``step`` (``tokens``, flat, request by
+    request) is a valid id: -1 marks a row with no valid token to sample, and ids must be below
+    ``vocab`` (when known). ``owner_of(i)``: the sampling request (index into ``sample_reqs``)
+    of ``tokens[i]``, asked only for the message."""
+    if tokens.size and int(tokens.min()) < 0:
+        i = owner_of(int(np.flatnonzero(tokens < 0)[0]))
+        rid = int(batch.req_ids[sample_reqs[i]])
+        raise ValueError(
+            f"step {step}: request {rid} has no valid token to sample (its filtered "
+            "probabilities are not a distribution: a NaN or infinite logit)"
+        )
+    if vocab is not None and tokens.size and int(tokens.max()) >= vocab:
+        raise ValueError(f"step {step}: a committed token {int(tokens.max())} is past the vocab of {vocab}")

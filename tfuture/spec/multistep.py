@@ -31,7 +31,7 @@ import torch
 from tfuture.core.batch import ForwardBatch, HostMeta, Model, StepResult
 from tfuture.sampling import Sampler
 from tfuture.sampling.filters import greedy_tokens
-from tfuture.spec.batch import DraftResult
+from tfuture.spec.batch import DraftResult, check_committed
 from tfuture.spec.penalties import PenaltyPlan, penalise_rows, plan_penalties, record_committed
 from tfuture.spec.verify import RowParams, row_params, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
@@ -193,18 +193,7 @@ class MultiStepTokenStep(TokenStep):
         if k == 1:
             return super().result(rec, words)
         n = state.n_sample
-        if words.size and int(words.min()) < 0:
-            i = int(np.flatnonzero(words < 0)[0] // k)
-            rid = int(rec.batch.req_ids[state.sample_reqs[i]])
-            raise ValueError(
-                f"step {rec.step}: request {rid} has no valid token to sample (its filtered "
-                "probabilities are not a distribution: a NaN or infinite logit)"
-            )
-        vocab = self._vocab
-        if vocab is not None and words.size and int(words.max()) >= vocab:
-            raise ValueError(
-                f"step {rec.step}: a sampled token {int(words.max())} is past the vocab of {vocab}"
-            )
+        check_committed(rec.step, rec.batch, state.sample_reqs, words, self._vocab, lambda t: t // k)
         counts = np.full(n, k, dtype=np.int64)
         return DraftResult(rec.step, rec.batch, words.astype(np.int64), counts, np.zeros(n, dtype=np.int64))
 

@@ -34,7 +34,7 @@ from tfuture.core.future_map import FutureMap
 from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import Sampler
 from tfuture.sampling.filters import greedy_tokens
-from tfuture.spec.batch import DraftBatch, DraftResult
+from tfuture.spec.batch import DraftBatch, DraftResult, check_committed
 from tfuture.spec.drafter import DraftContext, Drafter
 from tfuture.spec.penalties import (
     PenaltyPlan,
@@ -369,18 +369,15 @@ class SpecTokenStep(TokenStep):
         committed, counts = words[: n * w].reshape(n, w), words[n * w : n * (w + 1)].astype(np.int64)
         keep = np.arange(w)[None, :] < counts[:, None]
         tokens = committed[keep]
-        if tokens.size and int(tokens.min()) < 0:
-            i = int(np.flatnonzero((committed < 0) & keep)[0] // w)
-            rid = int(batch.req_ids[state.sample_reqs[i]])
-            raise ValueError(
-                f"step {step}: request {rid} has no valid token to sample (its filtered "
-                "probabilities are not a distribution: a NaN or infinite logit)"
-            )
-        vocab = self._vocab
-        if vocab is not None and tokens.size and int(tokens.max()) >= vocab:
-            raise ValueError(
-                f"step {step}: a committed token {int(tokens.max())} is past the vocab of {vocab}"
-            )
+        ends = np.cumsum(counts)
+        check_committed(
+            step,
+            batch,
+            state.sample_reqs,
+            tokens,
+            self._vocab,
+            lambda t: int(np.searchsorted(ends, t, "right")),
+        )
         stored = words[n * (w + 1) :].astype(np.int64) if state.n_stored else _NONE
         return DraftResult(step, batch, tokens, counts, state.n_verify, stored)
 
