@@ -137,8 +137,9 @@ class DraftScheduling:
         return DraftBatch(*arrays, sample_mask, **common, n_steps=k)
 
     def _process_drafts(self, result: DraftResult) -> None:
-        """A speculative step: each request's committed tokens in order, up to its finish (the
-        rest were launched past a finish the host learned late: dropped, counted)."""
+        """A speculative step or a multi-step window: each request's committed tokens in order,
+        up to its finish (the rest were launched past a finish the host learned late: dropped,
+        counted)."""
         stored = result.stored
         if stored.size:
             # A waiting request drafted: its next step's mask rows walk its grammar through them.
