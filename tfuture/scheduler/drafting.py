@@ -130,8 +130,8 @@ class DraftScheduling:
         """A multi-step window: ``multi_step`` decode steps, fewer when no sampling request has
         that many tokens left (the rest would be dropped), one when a sampling request waits for
         a grammar mask (its mask is for one position)."""
-        k = 1
-        if not np.any(np.asarray(common["delayed"]) & sample_mask):
+        k, delayed = 1, common["delayed"]
+        if delayed is False or not np.any(delayed & sample_mask):
             left = [r.spec.max_new - len(r.out) - r.n_pending - r.sure_extra for r, _, s in rows if s]
             k = max(1, min(self.multi_step, max(left, default=1)))
         return DraftBatch(*arrays, sample_mask, **common, n_steps=k)

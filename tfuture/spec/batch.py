@@ -129,7 +129,13 @@ class DraftResult(StepResult):
 
     def per_request(self) -> list[np.ndarray]:
         """Each sampling request's committed tokens, in order."""
-        return np.split(self.tokens, np.cumsum(self.n_commit)[:-1]) if self.n_commit.size else []
+        counts = self.n_commit
+        if not counts.size:
+            return []
+        c = int(counts[0])
+        if c * counts.size == self.tokens.size and not np.any(counts != c):
+            return list(self.tokens.reshape(counts.size, c))  # the same count each (a window)
+        return np.split(self.tokens, np.cumsum(counts)[:-1])
 
 
 def check_committed(
