@@ -10,7 +10,6 @@ for token, in sync mode, in overlap mode under random stream delays, and in debu
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import dist_scenarios as ds
@@ -19,18 +18,6 @@ import pytest
 from tfuture.testing.spawn import RankPool
 
 JOIN_S = 120.0  # the parent's bound on one call (the ranks' own timeout is ds.TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def pool2() -> Iterator[RankPool]:
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[RankPool]:
-    with RankPool(4) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ penalties and grammar rows equal to a speculative single-rank run."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import dist_scenarios as ds
@@ -17,18 +16,6 @@ import pytest
 from tfuture.testing.spawn import RankPool
 
 JOIN_S = 180.0
-
-
-@pytest.fixture(scope="module")
-def pool2() -> Iterator[RankPool]:
-    with RankPool(2) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[RankPool]:
-    with RankPool(4) as pool:
-        yield pool
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ and the processing of committed runs, cut at a finish the host learned late.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,9 +32,7 @@ class DraftScheduling:
     extra_tokens: int
     drafted_tokens: int
     accepted_tokens: int
-
-    def _take(self, r: _Req, tok: int, step: int) -> None:  # the batcher's own
-        raise NotImplementedError
+    _take: Callable[[_Req, int, int], None]  # one committed token of a live request
 
     def _keep(self, r: _Req) -> None:
         """Hold ``r``'s pending slots (its last committed token and drafts) in a handle of the
