@@ -36,6 +36,7 @@ SPEC_HF = ("tests/spec/test_spec_hf.py",)
 SPEC_DIST = ("tests/distributed/test_spec_multiprocess.py",)
 SPEC_GRAMMAR = ("tests/spec/test_spec_grammar.py",)
 MULTISTEP = ("tests/spec/test_multistep.py",)
+OMP_TEAM = ("tests/runtime/test_omp_team.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- kernels: numpy path (cpu.py)
@@ -960,5 +961,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "ForwardBatch(rec.step, ids, pos[j - 1], rows, req_ids, pos[j],",
         MULTISTEP,
         "a window's later steps feed each token at the previous position (its KV overwrites the last)",
+    ),
+    Mutant(
+        "omp-host-pool-kept",
+        "tfuture/streams/omp.py",
+        "                lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)",
+        "                pass",
+        OMP_TEAM,
+        "the host thread keeps its OpenMP helper threads: the worker's parallel ops are throttled",
+    ),
+    Mutant(
+        "omp-host-size-not-restored",
+        "tfuture/streams/omp.py",
+        "            lib.omp_set_num_threads(loc.saved)",
+        "            pass",
+        OMP_TEAM,
+        "the host thread stays serial after the run",
     ),
 )

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tfuture.streams.base import Delay, ForwardStream, Marker, Span, StreamAbandoned
+from tfuture.streams.omp import HOST_TEAM
 
 __all__ = [
     "BACKENDS",
@@ -98,6 +99,9 @@ class CpuStream(ForwardStream):
 
     The worker runs with the creating thread's grad mode and inference mode, so a run inside
     ``torch.inference_mode()`` or ``torch.no_grad()`` builds no autograd graph on the worker.
+    The creating (host) thread's OpenMP team is parked while the stream is open
+    (:mod:`tfuture.streams.omp`): its torch ops are serial, and the worker's parallel ops are not
+    throttled by the host's idle helper threads.
     """
 
     def __init__(self, delay: Delay | None = None, trace: bool = True, switch_s: float = 3e-5) -> None:
@@ -106,6 +110,7 @@ class CpuStream(ForwardStream):
         self._inference = torch.is_inference_mode_enabled()
         self._host = threading.current_thread()
         SWITCH_INTERVAL.acquire(switch_s)
+        self._team_owner = HOST_TEAM.acquire()
         # Ops submitted, and ops the worker got past (run, skipped or failed); under _cond.
         self._submitted = 0
         self._done = 0
@@ -120,6 +125,7 @@ class CpuStream(ForwardStream):
         except BaseException:
             self._closed = True
             SWITCH_INTERVAL.release()
+            HOST_TEAM.release(self._team_owner)
             raise
 
     def _run(self) -> None:
@@ -176,6 +182,7 @@ class CpuStream(ForwardStream):
             raise
         finally:
             SWITCH_INTERVAL.release()
+            HOST_TEAM.release(self._team_owner)
 
     @property
     def alive(self) -> bool:
