@@ -49,7 +49,7 @@ def step(prefix: list[int], seg: list[int], rids: list[int]) -> ForwardBatch:
     )
 
 
-def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
@@ -159,11 +159,13 @@ def test_a_decode_step_attends_without_padding_and_writes_the_cache_with_one_ind
     k = torch.full((1, HEADS, 3, HEAD_DIM), 9.0)
     with _CountOps() as counted:
         out = layout.attend(0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn)
-    # Packed rows are the padded rows: no zero-filled buffer, no scatter into it, no gather out.
-    assert "new_zeros" not in counted.ops and counted.ops.count("index_select") == 2
+    # Packed rows are the padded rows: no zero-filled buffer, no scatter into it, no gather out;
+    # rows 0, 1, 2 in order: the cache is read as a view, not gathered.
+    assert layout.row_span == (0, 3)
+    assert "new_zeros" not in counted.ops and "index_select" not in counted.ops
     assert "index_put_" not in counted.ops and counted.ops.count("index_copy_") == 2
     # The general path on the same step (rewriting the same keys) gives the same output.
-    general = dataclasses.replace(layout, dense=False)
+    general = dataclasses.replace(layout, dense=False, row_span=None)
     assert torch.equal(out, general.attend(0, torch.ones(1, HEADS, 3, HEAD_DIM), k, k, attn))
     for pos, rid in ((2, 4), (3, 5), (1, 6)):
         assert torch.equal(kv.k[0, kv.rows[rid], pos], torch.full((HEADS, HEAD_DIM), 9.0))
@@ -204,3 +206,72 @@ def test_a_dense_step_builds_the_layout_of_the_ragged_index_math_with_fewer_ops(
     last_key = (pre[:, None] + cols)[:, None, :, None]
     assert torch.equal(layout.mask, torch.arange(layout.kv_len) <= last_key)
     assert torch.equal(layout.tok_flat, tok_rows * MAX_LEN + batch.positions[:n_tok])
+
+
+def test_consecutive_rows_read_a_view_of_the_cache_equal_to_the_gather():
+    kv = pool(4)
+    forward(kv, step([0, 0, 0, 0], [2, 3, 1, 2], [4, 5, 6, 7]))  # rows 0, 1, 2, 3
+    cases = (
+        ([5, 6, 7], [3, 1, 2], (1, 4)),
+        ([4, 6, 7], [2, 1, 2], None),  # rows 0, 2, 3: a gap
+        ([6, 5, 7], [1, 3, 2], None),  # rows 2, 1, 3
+        ([4, 6, 5, 7], [2, 1, 3, 2], None),  # rows 0, 2, 1, 3 cover 0..3, out of order
+    )
+    for rids, prefix, span in cases:
+        n = len(rids)
+        k = torch.arange(n * HEAD_DIM, dtype=torch.float32).view(1, HEADS, n, HEAD_DIM) / 5
+        q = torch.arange(n * HEAD_DIM, dtype=torch.float32).view(1, HEADS, n, HEAD_DIM)
+        layout = StepLayout.build(kv, step(prefix, [1] * n, rids))
+        assert layout.row_span == span, rids
+        got = layout.attend(0, q, k, k, attn)
+        gathered = dataclasses.replace(layout, row_span=None, dense=False)
+        assert torch.equal(got, gathered.attend(0, q, k, k, attn)), rids
+        if span is None:  # what a view of rows first..first+n would have read instead
+            wrong = dataclasses.replace(layout, row_span=(0, n))
+            assert not torch.equal(got, wrong.attend(0, q, k, k, attn)), rids
+
+
+def test_a_decode_step_whose_requests_all_see_every_key_attends_with_no_mask():
+    seen: list[torch.Tensor | None] = []
+
+    def spy(q, k, v, mask):  # type: ignore[no-untyped-def]
+        seen.append(mask)
+        return attn(q, k, v, mask)
+
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 2, 2], [4, 5, 6]))
+    q = torch.arange(3 * HEAD_DIM, dtype=torch.float32).view(1, HEADS, 3, HEAD_DIM)
+    k = torch.arange(3 * HEAD_DIM, dtype=torch.float32).view(1, HEADS, 3, HEAD_DIM) / 7
+    layout = StepLayout.build(kv, step([2, 2, 2], [1, 1, 1], [4, 5, 6]))
+    assert layout.open
+    out = layout.attend(0, q, k, k, spy)
+    assert seen == [None]
+    masked = dataclasses.replace(layout, open=False)
+    torch.testing.assert_close(out, masked.attend(0, q, k, k, attn))
+    # Requests at different lengths, a prefill, or an additive mask (eager attention): masked.
+    assert not StepLayout.build(kv, step([2, 1, 2], [1, 1, 1], [4, 5, 6])).open
+    assert not StepLayout.build(kv, step([0], [2], [4])).open
+    assert not StepLayout.build(kv, step([2, 2, 2], [1, 1, 1], [4, 5, 6]), additive=torch.float32).open
+
+
+def test_an_open_step_keeps_the_mask_of_a_window_that_binds():
+    seen: list[torch.Tensor | None] = []
+
+    def spy(q, k, v, mask):  # type: ignore[no-untyped-def]
+        seen.append(mask)
+        return attn(q, k, v, mask)
+
+    kv = KVPool(
+        2, 1, MAX_LEN, HEADS, HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"), windows=[None, 2]
+    )
+    layout = StepLayout.build(kv, step([0], [3], [1]))
+    kvals = torch.ones(1, HEADS, 3, HEAD_DIM)
+    for layer in (0, 1):
+        layout.attend(layer, torch.ones(1, HEADS, 3, HEAD_DIM), kvals, kvals, attn)
+    decode = StepLayout.build(kv, step([3], [1], [1]))
+    assert decode.open and decode.kv_len == 4
+    one = torch.ones(1, HEADS, 1, HEAD_DIM)
+    decode.attend(0, one, one, one, spy)
+    decode.attend(1, one, one, one, spy)
+    assert seen[0] is None
+    assert seen[1] is not None and seen[1].tolist() == [[[[False, False, True, True]]]]

@@ -22,9 +22,9 @@ import torch
 from tfuture.core.batch import ForwardBatch
 from tfuture.core.rows import RowAllocator, RowsFull
 
-# (q [n_reqs, heads, width, head_dim], k, v [n_reqs, kv_heads, kv_len, head_dim], mask)
-#   -> [n_reqs, width, heads, head_dim]
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [n_reqs, heads, width, head_dim], k, v [n_reqs, kv_heads, kv_len, head_dim], mask or None:
+# every key visible to every query) -> [n_reqs, width, heads, head_dim]
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 class KVPool:
@@ -148,7 +148,10 @@ class StepLayout:
     ``tok_rows * max_len + tok_pos``, the token's place in a layer's cache flattened over rows
     and positions (one index for the cache write). ``dense``: every request runs ``width``
     tokens (decode steps), so the padded rows are the packed ones in order and the attention
-    needs no scatter into padding nor gather out of it.
+    needs no scatter into padding nor gather out of it. ``row_span``: ``(first, stop)`` when the
+    requests' cache rows are consecutive and in order (a view of the cache then replaces the
+    gather). ``open``: a decode step (width 1) whose requests all stand at ``kv_len``, so every
+    key is visible to every query: bool-mask layers whose window does not bind attend with no mask.
     """
 
     pool: KVPool
@@ -163,6 +166,8 @@ class StepLayout:
     windowed: dict[int, torch.Tensor]
     tok_flat: torch.Tensor
     dense: bool
+    row_span: tuple[int, int] | None
+    open: bool
 
     @staticmethod
     def build(pool: KVPool, batch: ForwardBatch, *, additive: torch.dtype | None = None) -> StepLayout:
@@ -179,10 +184,17 @@ class StepLayout:
                 f"{pool.max_len}"
             )
         dev = batch.input_ids.device
-        rows = torch.from_numpy(pool.rows_of(host.req_ids, host.prefix_lens))
+        row_ids = pool.rows_of(host.req_ids, host.prefix_lens)
+        rows = torch.from_numpy(row_ids)
         # Pinned: an async H2D copy; from pageable memory the host would wait for the stream.
         req_rows = rows.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else rows
         dense = n_tok == n_reqs * width
+        first = int(row_ids[0]) if n_reqs else 0
+        consecutive = (
+            n_reqs > 0 and int(row_ids[-1]) - first == n_reqs - 1 and bool((np.diff(row_ids) == 1).all())
+        )
+        ends = host.prefix_lens + host.seg_lens
+        is_open = additive is None and width == 1 and dense and bool((ends == kv_len).all())
         tok_rows, pad_idx, prefix, cols = (_dense_index if dense else _ragged_index)(
             batch, req_rows, n_tok, width
         )
@@ -204,6 +216,8 @@ class StepLayout:
             {w: _as_mask(m, additive) for w, m in windowed.items()},
             tok_rows * pool.max_len + tok_pos,
             dense,
+            (first, first + n_reqs) if consecutive else None,
+            is_open,
         )
 
     def attend(
@@ -219,8 +233,13 @@ class StepLayout:
         kc.flatten(0, 1).index_copy_(0, self.tok_flat, k[0].transpose(0, 1).to(kc.dtype))
         vc.flatten(0, 1).index_copy_(0, self.tok_flat, v[0].transpose(0, 1).to(vc.dtype))
         # Only the first kv_len positions of each live row: [n_reqs, kv_heads, kv_len, head_dim].
-        keys = kc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
-        values = vc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
+        if self.row_span is not None:
+            lo, hi = self.row_span
+            keys = kc[lo:hi, : self.kv_len].transpose(1, 2)
+            values = vc[lo:hi, : self.kv_len].transpose(1, 2)
+        else:
+            keys = kc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
+            values = vc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
         n_heads, head_dim = q.shape[1], q.shape[3]
         packed = q[0].transpose(0, 1)  # [n_tok, heads, head_dim]
         if self.dense:  # padded row q * width + i is packed token q * width + i
@@ -230,7 +249,11 @@ class StepLayout:
             padded.index_copy_(0, self.pad_idx, packed)
         padded = padded.view(self.n_reqs, self.width, n_heads, head_dim).transpose(1, 2)
         window = self.pool.windows[layer]
-        mask = self.mask if window is None else self.windowed[window]
+        mask: torch.Tensor | None
+        if self.open and (window is None or window >= self.kv_len):
+            mask = None
+        else:
+            mask = self.mask if window is None else self.windowed[window]
         out = attn(padded, keys.to(q.dtype), values.to(q.dtype), mask)
         out = out.reshape(self.n_reqs * self.width, n_heads, -1)
         return (out if self.dense else out.index_select(0, self.pad_idx)).unsqueeze(0)
