@@ -49,7 +49,7 @@ def step(prefix: list[int], seg: list[int], rids: list[int]) -> ForwardBatch:
     )
 
 
-def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 
@@ -229,49 +229,3 @@ def test_consecutive_rows_read_a_view_of_the_cache_equal_to_the_gather():
         if span is None:  # what a view of rows first..first+n would have read instead
             wrong = dataclasses.replace(layout, row_span=(0, n))
             assert not torch.equal(got, wrong.attend(0, q, k, k, attn)), rids
-
-
-def test_a_decode_step_whose_requests_all_see_every_key_attends_with_no_mask():
-    seen: list[torch.Tensor | None] = []
-
-    def spy(q, k, v, mask):  # type: ignore[no-untyped-def]
-        seen.append(mask)
-        return attn(q, k, v, mask)
-
-    kv = pool(3)
-    forward(kv, step([0, 0, 0], [2, 2, 2], [4, 5, 6]))
-    q = torch.arange(3 * HEAD_DIM, dtype=torch.float32).view(1, HEADS, 3, HEAD_DIM)
-    k = torch.arange(3 * HEAD_DIM, dtype=torch.float32).view(1, HEADS, 3, HEAD_DIM) / 7
-    layout = StepLayout.build(kv, step([2, 2, 2], [1, 1, 1], [4, 5, 6]))
-    assert layout.open
-    out = layout.attend(0, q, k, k, spy)
-    assert seen == [None]
-    masked = dataclasses.replace(layout, open=False)
-    torch.testing.assert_close(out, masked.attend(0, q, k, k, attn))
-    # Requests at different lengths, a prefill, or an additive mask (eager attention): masked.
-    assert not StepLayout.build(kv, step([2, 1, 2], [1, 1, 1], [4, 5, 6])).open
-    assert not StepLayout.build(kv, step([0], [2], [4])).open
-    assert not StepLayout.build(kv, step([2, 2, 2], [1, 1, 1], [4, 5, 6]), additive=torch.float32).open
-
-
-def test_an_open_step_keeps_the_mask_of_a_window_that_binds():
-    seen: list[torch.Tensor | None] = []
-
-    def spy(q, k, v, mask):  # type: ignore[no-untyped-def]
-        seen.append(mask)
-        return attn(q, k, v, mask)
-
-    kv = KVPool(
-        2, 1, MAX_LEN, HEADS, HEAD_DIM, dtype=torch.float32, device=torch.device("cpu"), windows=[None, 2]
-    )
-    layout = StepLayout.build(kv, step([0], [3], [1]))
-    kvals = torch.ones(1, HEADS, 3, HEAD_DIM)
-    for layer in (0, 1):
-        layout.attend(layer, torch.ones(1, HEADS, 3, HEAD_DIM), kvals, kvals, attn)
-    decode = StepLayout.build(kv, step([3], [1], [1]))
-    assert decode.open and decode.kv_len == 4
-    one = torch.ones(1, HEADS, 1, HEAD_DIM)
-    decode.attend(0, one, one, one, spy)
-    decode.attend(1, one, one, one, spy)
-    assert seen[0] is None
-    assert seen[1] is not None and seen[1].tolist() == [[[[False, False, True, True]]]]

@@ -119,7 +119,7 @@ def _pool_attention(
         )
     kwargs["dropout"] = 0.0
 
-    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return fn(module, q, k, v, mask, **kwargs)[0]
 
     return layout.attend(layer, query, key, value, attn), None

@@ -22,9 +22,9 @@ import torch
 from tfuture.core.batch import ForwardBatch
 from tfuture.core.rows import RowAllocator, RowsFull
 
-# (q [n_reqs, heads, width, head_dim], k, v [n_reqs, kv_heads, kv_len, head_dim], mask or None:
-# every key visible to every query) -> [n_reqs, width, heads, head_dim]
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (q [n_reqs, heads, width, head_dim], k, v [n_reqs, kv_heads, kv_len, head_dim], mask)
+#   -> [n_reqs, width, heads, head_dim]
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class KVPool:
@@ -150,8 +150,9 @@ class StepLayout:
     tokens (decode steps), so the padded rows are the packed ones in order and the attention
     needs no scatter into padding nor gather out of it. ``row_span``: ``(first, stop)`` when the
     requests' cache rows are consecutive and in order (a view of the cache then replaces the
-    gather). ``open``: a decode step (width 1) whose requests all stand at ``kv_len``, so every
-    key is visible to every query: bool-mask layers whose window does not bind attend with no mask.
+    gather). Every step attends with its mask, even where every key is visible: a mask-free
+    attention rounds differently, and a draft model's decode step would then disagree with the
+    target's verification of the same tokens (an exact-copy drafter must have every draft accepted).
     """
 
     pool: KVPool
@@ -167,7 +168,6 @@ class StepLayout:
     tok_flat: torch.Tensor
     dense: bool
     row_span: tuple[int, int] | None
-    open: bool
 
     @staticmethod
     def build(pool: KVPool, batch: ForwardBatch, *, additive: torch.dtype | None = None) -> StepLayout:
@@ -193,8 +193,6 @@ class StepLayout:
         consecutive = (
             n_reqs > 0 and int(row_ids[-1]) - first == n_reqs - 1 and bool((np.diff(row_ids) == 1).all())
         )
-        ends = host.prefix_lens + host.seg_lens
-        is_open = additive is None and width == 1 and dense and bool((ends == kv_len).all())
         tok_rows, pad_idx, prefix, cols = (_dense_index if dense else _ragged_index)(
             batch, req_rows, n_tok, width
         )
@@ -217,7 +215,6 @@ class StepLayout:
             tok_rows * pool.max_len + tok_pos,
             dense,
             (first, first + n_reqs) if consecutive else None,
-            is_open,
         )
 
     def attend(
@@ -249,11 +246,7 @@ class StepLayout:
             padded.index_copy_(0, self.pad_idx, packed)
         padded = padded.view(self.n_reqs, self.width, n_heads, head_dim).transpose(1, 2)
         window = self.pool.windows[layer]
-        mask: torch.Tensor | None
-        if self.open and (window is None or window >= self.kv_len):
-            mask = None
-        else:
-            mask = self.mask if window is None else self.windowed[window]
+        mask = self.mask if window is None else self.windowed[window]
         out = attn(padded, keys.to(q.dtype), values.to(q.dtype), mask)
         out = out.reshape(self.n_reqs * self.width, n_heads, -1)
         return (out if self.dense else out.index_select(0, self.pad_idx)).unsqueeze(0)
