@@ -100,7 +100,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps.base"},  # the step-kind interface
     {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token_state"},  # a token step's records
-    {"tfuture.steps.token", "tfuture.steps.speculative"},
+    {"tfuture.steps.token"},
     {"tfuture.spec.staging", "tfuture.spec.step"},  # the token step with drafts: its plan, its ops
     {"tfuture.spec.multistep"},  # several decode steps per launch: the token step, chained
     {"tfuture.grammars.*"},

@@ -20,9 +20,9 @@ Layers, lowest first; a module imports only from its own layer or lower ones
    6. ``core.future_fields`` (``FutureFields``), 7. ``core.batch`` (``Batch`` and the protocols);
 8. ``streams``: stream backends, staging rings, ``RunStats``;
 9. ``sampling``: the device ``Sampler``;
-10. ``steps``: step kinds (``steps.masks``; ``steps.base``; ``steps.token``, ``steps.speculative``;
-    ``spec.step``, the token step with drafts; ``spec.batch``, ``spec.ngram`` and ``spec.verify``
-    sit lower, beside the batch and the sampler);
+10. ``steps``: step kinds (``steps.masks``; ``steps.base``; ``steps.token``; ``spec.step``, the
+    token step with drafts, and ``spec.multistep``, the token step with windows; ``spec.batch``,
+    ``spec.ngram`` and ``spec.verify`` sit lower, beside the batch and the sampler);
 11. ``grammars``: the matcher protocol, bitmasks, the xgrammar adapter;
 12. ``runtime``: the loop; 13. ``scheduler``: ``ContinuousBatcher``, ``ServingScheduler``,
     ``GenerationParams``; 14. ``models`` (then ``spec.model_drafter`` and the ``spec`` package);

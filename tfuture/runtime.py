@@ -48,7 +48,7 @@ class OverlapRuntime:
 
     Args:
         model: a :class:`tfuture.core.batch.Model` (run as :class:`tfuture.steps.token.TokenStep`), or a
-            :class:`tfuture.steps.base.StepKind` such as :class:`tfuture.steps.speculative.SpecStep`.
+            :class:`tfuture.steps.base.StepKind` such as :class:`tfuture.spec.SpecTokenStep`.
         fmap: the future map; its device picks the backend (CUDA streams or a CPU worker).
         overlap: False runs the same steps one at a time (sync mode) for A/B comparison.
         stream: ``"auto"``, ``"worker"`` or ``"inline"`` (see :func:`tfuture.streams.backends.make_stream`).
@@ -137,7 +137,9 @@ class OverlapRuntime:
         """Run until ``scheduler.schedule()`` returns ``None`` with nothing in flight.
 
         ``scheduler``: a :class:`tfuture.core.batch.Scheduler` for token steps, or the scheduler
-        protocol of the step kind (:class:`tfuture.steps.speculative.SpecScheduler`).
+        protocol of the step kind (the speculative and multi-step kinds take the
+        :class:`tfuture.spec.DraftBatch` batches of a ``ContinuousBatcher(speculative=k)`` or
+        ``ContinuousBatcher(multi_step=K)``).
 
         ``max_steps``: launch at most that many steps (the ones in flight are finished). The
         requests of a run cut this way (or whose scheduler says ``cut``) may still be live: their

@@ -23,7 +23,7 @@ from tfuture.distributed import ParallelContext, ParallelRuntime, init_parallel
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler, SamplingParams
 from tfuture.testing import ContinuousBatcher, ToyGrammar, random_workload
-from tfuture.testing.toy_spec import random_delay
+from tfuture.testing.faults import random_delay
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
 
 TIMEOUT_S = 20.0  # the process groups' timeout; the parent's join timeout is larger

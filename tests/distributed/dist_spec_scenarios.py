@@ -17,7 +17,7 @@ from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.spec import DraftContext, NGramDrafter, SpecTokenStep
 from tfuture.testing import ContinuousBatcher
-from tfuture.testing.toy_spec import random_delay
+from tfuture.testing.faults import random_delay
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
 
 K = 3

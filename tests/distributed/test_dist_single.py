@@ -30,8 +30,7 @@ from tfuture.runtime import OverlapRuntime
 from tfuture.spec import NGramDrafter
 from tfuture.steps.token import Buckets
 from tfuture.testing import ContinuousBatcher, RequestSpec, ToyGrammar, random_workload
-from tfuture.testing.faults import FaultPlan, InjectedFault
-from tfuture.testing.toy_spec import random_delay
+from tfuture.testing.faults import FaultPlan, InjectedFault, random_delay
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
 
 MODEL: dict[str, Any] = dict(vocab=32, d_model=16, n_heads=2, n_layers=2, max_requests=8, max_len=32)

@@ -149,7 +149,7 @@ class Episode:
     batcher_kw: dict[str, Any]
     plan_kw: dict[str, Any]
     debug: bool
-    spec: bool = False  # a speculative episode (SpecStep, SpecBatcher): no grammar, no aborts
+    spec: bool = False  # a speculative episode (SpecTokenStep, ToyDrafter): no grammar, no aborts
     sampled: bool = False  # per-request SamplingParams through tfuture's Sampler (SoftToy model)
     graphs: bool = False  # padded to GRAPH_BUCKETS, greedy steps as step graphs (tfuture.steps.graphs)
 

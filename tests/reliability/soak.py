@@ -7,12 +7,14 @@ The soak runs ``N`` overlapped steps in episodes. Each episode is a fresh seeded
 requests arrive over time, prompts are prefilled in chunks, some requests follow a grammar
 (delayed sampling), requests finish on the end token or their length limit, and some are
 aborted (see :class:`AbortingBatcher`); about one episode in five without grammars is a
-speculative one (``SpecStep`` with a seeded fallible draft), whose committed tokens must equal
-plain greedy decoding; about one in four of the others runs with step graphs (``buckets=``,
-``graphs=True``: its greedy steps as the buckets' step graphs, emulated on CPU) and must still
-equal its sync rerun without them. Episodes run on one long-lived :class:`FutureMap`
-(some on a fresh debug-mode map), each with its own seeded :class:`FaultPlan`: stream and host
-delays, a ``gc.collect()`` after every step, and now and then an exception at a planned point.
+speculative one (:class:`tfuture.spec.SpecTokenStep` over the toy target with
+:class:`tfuture.testing.toy_drafter.ToyDrafter`, a seeded fallible draft, chunked prefill and
+the episode's token budget), whose committed tokens must equal plain greedy decoding; about one
+in four of the others runs with step graphs (``buckets=``, ``graphs=True``: its greedy steps as
+the buckets' step graphs, emulated on CPU) and must still equal its sync rerun without them.
+Episodes run on one long-lived :class:`FutureMap` (some on a fresh debug-mode map), each with
+its own seeded :class:`FaultPlan`: stream and host delays, a ``gc.collect()`` after every step,
+and now and then an exception at a planned point.
 
 Checks (any failure exits nonzero):
 
@@ -48,13 +50,16 @@ from episodes import AbortingBatcher, Episode, compare, make_episode
 from tfuture.core.future_map import FutureMap
 from tfuture.kernels import _common
 from tfuture.runtime import OverlapRuntime
-from tfuture.steps.speculative import SpecStep
+from tfuture.sampling import Sampler
+from tfuture.scheduler import ContinuousBatcher
+from tfuture.spec import SpecTokenStep
 from tfuture.testing.equivalence import first_difference
 from tfuture.testing.faults import FaultPlan, InjectedFault
 from tfuture.testing.toy import ToyModel
-from tfuture.testing.toy_spec import SpecBatcher, ToySpecModel, reference_outputs
+from tfuture.testing.toy_drafter import ToyDrafter
 
 MIB = 1 << 20
+SPEC_K = 2  # drafts per step in a speculative episode
 THREAD_NAME = "tfuture-forward"
 
 
@@ -148,11 +153,30 @@ def run_sync(ep: Episode) -> tuple[dict[int, list[int]], int]:
     return sched.outputs, stats.steps
 
 
-def spec_parts(ep: Episode, fmap: FutureMap, plan: FaultPlan) -> tuple[SpecBatcher, OverlapRuntime]:
-    """The scheduler and runtime of a speculative episode: k = 2 drafts, 30% of them wrong."""
-    sched = SpecBatcher(ep.specs, fmap, eos=0, max_running=ep.batcher_kw["max_running"])
-    model = ToySpecModel(ToyModel(vocab=ep.vocab), k=2, error_rate=0.3, seed=ep.seed + ep.index)
-    return sched, OverlapRuntime(SpecStep(model), fmap, overlap=True, faults=plan, trace=False)
+def spec_parts(ep: Episode, fmap: FutureMap, plan: FaultPlan) -> tuple[ContinuousBatcher, OverlapRuntime]:
+    """The scheduler and runtime of a speculative episode: k = 2 drafts, 30% of them wrong, with
+    the episode's chunk and token budget (at least a decode's 1 + k tokens)."""
+    kw = ep.batcher_kw
+    budget = max(kw["token_budget"], 1 + SPEC_K)
+    sched = ContinuousBatcher(
+        ep.specs,
+        fmap,
+        eos=0,
+        max_running=kw["max_running"],
+        chunk=kw["chunk"],
+        token_budget=budget,
+        speculative=SPEC_K,
+    )
+    drafter = ToyDrafter(ToyModel(vocab=ep.vocab), k=SPEC_K, error_rate=0.3, seed=ep.seed + ep.index)
+    drafter.bind(kw["max_running"], 1 << 16, fmap.device)
+    step = SpecTokenStep(ToyModel(vocab=ep.vocab), drafter, Sampler())
+    return sched, OverlapRuntime(step, fmap, overlap=True, faults=plan, trace=False)
+
+
+def reference_outputs(ep: Episode) -> dict[int, list[int]]:
+    """Plain greedy decoding of the toy target, request by request on the host."""
+    target = ToyModel(vocab=ep.vocab)
+    return {s.rid: target.reference(s.prompt, s.rid, s.max_new, eos=0) for s in ep.specs}
 
 
 def run_checked(
@@ -242,7 +266,7 @@ def run_spec_episode(
         report.equivalence_checked += 1
         # Greedy acceptance: the committed tokens equal plain greedy decoding of the target.
         diff = first_difference(
-            reference_outputs(ep.specs, eos=0, target=ToyModel(vocab=ep.vocab)),
+            reference_outputs(ep),
             sched.outputs,
             ("plain decoding", "overlapped speculative"),
         )

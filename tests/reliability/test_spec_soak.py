@@ -6,8 +6,8 @@ random stream and host delays, through :class:`tfuture.spec.SpecTokenStep` and a
 plain greedy decoding, every seeded sampled request's against a sync speculative run without
 stops, aborts or delays: equal, or for an aborted request a prefix; no slot or thread is left.
 
-The main soak (``soak.py``) runs the toy ``SpecStep``; the tiny Llama is too slow for its
-thousands of steps, hence this separate one.
+The main soak (``soak.py``) runs the same step over the toy target with a seeded fallible
+drafter; the tiny Llama is too slow for its thousands of steps, hence this separate one.
 
 The drafter has exactly ``max_running`` rows and the token budget is drawn small enough that
 decodes wait for it: both failed before main's ab265e4 (a drafter row freed after the step that

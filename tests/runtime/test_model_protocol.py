@@ -110,11 +110,7 @@ def test_bucketed_steps_keep_shapes_in_buckets_and_results_unchanged():
 def test_buckets_are_checked():
     with pytest.raises(ValueError, match="ascending"):
         Buckets(rows=(32, 8), reqs=(4,))
-    with pytest.raises(ValueError, match="plain model"):
-        from tfuture.steps.speculative import SpecStep
-        from tfuture.testing.toy_spec import ToySpecModel
-
-        OverlapRuntime(SpecStep(ToySpecModel()), FutureMap(8, device="cpu"), buckets=Buckets((8,), (2,)))
+    # A step kind (the speculative one) takes no runtime buckets: tests/runtime/test_speculative.py.
 
 
 def test_summary_reports_wall_time_and_tokens_per_second():

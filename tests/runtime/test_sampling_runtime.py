@@ -272,12 +272,8 @@ def test_a_live_request_id_admitted_again_is_refused() -> None:
     assert fmap.in_use == 0
 
 
-def test_a_sampler_is_for_token_steps_only() -> None:
-    from tfuture.steps.speculative import SpecStep
-    from tfuture.testing.toy_spec import ToySpecModel
-
-    with pytest.raises(ValueError, match="sampler are for token steps"):
-        OverlapRuntime(SpecStep(ToySpecModel()), FutureMap(8, device="cpu"), sampler=Sampler())
+def test_a_sampler_must_be_a_sampler() -> None:
+    # A step kind (the speculative one) takes no runtime sampler: tests/runtime/test_speculative.py.
     with pytest.raises(TypeError, match=r"sampler must be a tfuture\.sampling\.Sampler"):
         OverlapRuntime(ToyModel(), FutureMap(8, device="cpu"), sampler="greedy")  # type: ignore[arg-type]
 

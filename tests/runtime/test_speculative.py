@@ -1,146 +1,203 @@
-"""Speculative decoding on futures (``tfuture.steps.speculative``): greedy acceptance, and overlapped
-speculative steps equivalent to plain greedy decoding.
+"""Speculative decoding in the runtime loop, fast: :class:`tfuture.spec.SpecTokenStep` over the toy
+target (:class:`tfuture.testing.ToyModel`, no Hugging Face model) with the seeded fallible
+:class:`tfuture.testing.toy_drafter.ToyDrafter`.
 
 Equivalence: with greedy acceptance, overlapped speculative decoding (step N+1 launched before
-the host knows step N's accepted lengths, which it reads only from step N's slot fields on the
-device) commits exactly the tokens of plain greedy decoding of the target, for every request,
-with random delays on the forward stream, and hands every slot back. The prepare kernel itself
-is tested in ``tests/kernel_tests/test_spec.py``.
+the host knows step N's accepted counts, which stay in step N's ``seq_len`` slot field on the
+device) commits exactly plain greedy decoding's tokens for every request, under random stream
+delays, host delays and a ``gc.collect()`` per step, and hands every slot back. A fault planted at
+each of the step's points surfaces by name and leaks nothing. The Hugging Face versions of these
+checks, with the real drafters, are in ``tests/spec/``.
 """
+
+from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from tfuture import FutureMap
-from tfuture.kernels.spec import SpecInputs
 from tfuture.runtime import OverlapRuntime
-from tfuture.steps.speculative import SpecBatch, SpecResult, SpecStep, greedy_accept
-from tfuture.testing.equivalence import run_workload
-from tfuture.testing.toy import ToyModel
-from tfuture.testing.toy_spec import (
-    SpecBatcher,
-    ToySpecModel,
-    check_spec_equivalence,
-    random_delay,
-    reference_outputs,
-    run_spec,
-)
-from tfuture.testing.workload import random_workload
+from tfuture.sampling import Sampler
+from tfuture.spec import DraftResult, SpecTokenStep
+from tfuture.testing import ContinuousBatcher, RequestSpec, ToyModel, random_workload
+from tfuture.testing.faults import SPEC_POINTS, FaultPlan, InjectedFault, random_delay
+from tfuture.testing.toy_drafter import ToyDrafter
+
+VOCAB = 64
 
 
-def test_greedy_accept() -> None:
-    ids = torch.tensor([[9, 1, 2, 3], [9, 1, 2, 3], [9, 7, 2, 3], [9, 1, 2, 3]])
-    target = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
-    n_draft = torch.tensor([3, 3, 3, 0])
-    acc = greedy_accept(SpecInputs(ids, ids, n_draft), target)
-    assert acc.tolist() == [4, 3, 1, 1] and acc.dtype == torch.int32
+def plain(specs: list[RequestSpec], eos: int = -1) -> dict[int, list[int]]:
+    """Plain greedy decoding of the toy target, request by request on the host."""
+    target = ToyModel(vocab=VOCAB)
+    return {s.rid: target.reference(s.prompt, s.rid, s.max_new, eos) for s in specs}
 
 
+def spec_run(
+    specs: list[RequestSpec],
+    *,
+    k: int = 2,
+    error_rate: float = 0.3,
+    seed: int = 0,
+    overlap: bool = True,
+    max_running: int = 4,
+    capacity: int = 64,
+    model: ToyModel | None = None,
+    sched_type: type[ContinuousBatcher] = ContinuousBatcher,
+    **runtime_kw: Any,
+) -> tuple[ContinuousBatcher, FutureMap, Any]:
+    fmap = FutureMap(capacity, device="cpu")
+    target = ToyModel(vocab=VOCAB) if model is None else model
+    drafter = ToyDrafter(ToyModel(vocab=VOCAB), k=k, error_rate=error_rate, seed=seed)
+    drafter.bind(max_running, 128, fmap.device)
+    sched = sched_type(specs, fmap, eos=-1, max_running=max_running, speculative=k)
+    step = SpecTokenStep(target, drafter, Sampler())
+    stats = OverlapRuntime(step, fmap, overlap=overlap, **runtime_kw).run(sched)
+    return sched, fmap, stats
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("seed", [0, 1, 2], ids=lambda s: f"workload{s}")
-def test_overlap_spec_equals_plain_greedy_with_delays(seed: int) -> None:
+def test_speculative_decoding_equals_plain_greedy_under_delays(seed: int, overlap: bool) -> None:
     rng = np.random.default_rng(seed)
-    specs = random_workload(seed, 8, max_prompt=10, max_new=20, arrival_span=6)
+    specs = random_workload(seed, 8, vocab=VOCAB, max_prompt=10, max_new=20, arrival_span=6)
     k, err = int(rng.integers(1, 5)), float(rng.uniform(0.1, 0.6))
-    diff = check_spec_equivalence(
-        specs, delay=random_delay(seed), k=k, error_rate=err, seed=seed, max_running=int(rng.integers(2, 7))
+    sched, fmap, _ = spec_run(
+        specs,
+        k=k,
+        error_rate=err,
+        seed=seed,
+        overlap=overlap,
+        max_running=int(rng.integers(2, 7)),
+        delay=random_delay(seed),
     )
-    assert diff is None, diff
+    assert sched.outputs == plain(specs)
+    assert fmap.in_use == 0
+    assert 0 < sched.accepted_tokens < sched.drafted_tokens
 
 
-EXTREMES = [
-    pytest.param(0.0, 3, id="every-draft-right"),
-    pytest.param(1.0, 3, id="every-draft-wrong"),
-    pytest.param(0.3, 0, id="no-drafts"),
-]
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_all_right_are_all_accepted_and_all_wrong_none(k: int) -> None:
+    specs = random_workload(7, 5, vocab=VOCAB, max_prompt=6, max_new=16, arrival_span=2)
+    right, fmap, stats_right = spec_run(specs, k=k, error_rate=0.0, delay=random_delay(7))
+    wrong, _, stats_wrong = spec_run(specs, k=k, error_rate=1.0, delay=random_delay(7))
+    assert right.outputs == wrong.outputs == plain(specs)
+    assert right.drafted_tokens > 0 and right.accepted_tokens == right.drafted_tokens
+    assert wrong.drafted_tokens > 0 and wrong.accepted_tokens == 0
+    assert stats_right.steps < stats_wrong.steps and fmap.in_use == 0
 
 
-@pytest.mark.parametrize(("error_rate", "k"), EXTREMES)
-def test_spec_extremes(error_rate: float, k: int) -> None:
-    specs = random_workload(7, 5, max_prompt=6, max_new=16, arrival_span=2)
-    run = run_spec(specs, overlap=True, k=k, error_rate=error_rate, delay=random_delay(7), eos=-1)
-    assert run.outputs == reference_outputs(specs, eos=-1)
-    assert run.fmap.in_use == 0
-    firsts = [a for acc in run.accepts.values() for a in acc[:1]]
-    later = [a for acc in run.accepts.values() for a in acc[1:-1]]  # the last step may be cut short
-    assert set(firsts) == {1}  # a fresh request has no drafts yet
-    if error_rate == 0.0:
-        assert set(later) == {k + 1}
-    if error_rate == 1.0 or k == 0:
-        assert set(later) <= {1}
-
-
-def test_spec_equals_core_runtime_sync_decoding() -> None:
-    """Against plain non-speculative decoding through the core OverlapRuntime in sync mode."""
-    specs = random_workload(3, 6, max_prompt=8, max_new=12, arrival_span=4)
-    plain, *_ = run_workload(ToyModel(), specs, overlap=False, capacity=32)
-    run = run_spec(specs, overlap=True, k=2, error_rate=0.25, delay=random_delay(3))
-    assert run.outputs == plain
-
-
-class _Recorder(SpecBatcher):
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
+class _Recorder(ContinuousBatcher):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
         self.events: list[tuple[str, int]] = []
-        self.batches: list[SpecBatch] = []
+        self.batches: list[Any] = []
 
-    def schedule(self) -> SpecBatch | None:
+    def schedule(self) -> Any:
         batch = super().schedule()
         if batch is not None:
             self.batches.append(batch)
             self.events.append(("schedule", len(self.batches) - 1))
         return batch
 
-    def process(self, result: SpecResult) -> None:
+    def process(self, result: DraftResult) -> None:
         self.events.append(("process", result.step))
         super().process(result)
 
 
-def test_overlap_launches_next_step_before_accept_lengths_reach_host() -> None:
-    specs = random_workload(4, 4, max_prompt=6, max_new=10, arrival_span=0)
-    fmap = FutureMap(32, device="cpu")
-    sched = _Recorder(specs, fmap, eos=-1)
-    model = ToySpecModel(k=2, error_rate=0.2)
-    OverlapRuntime(SpecStep(model), fmap, overlap=True, delay=random_delay(4)).run(sched)
+def test_overlap_launches_the_next_step_before_the_accepted_counts_reach_the_host() -> None:
+    specs = random_workload(4, 4, vocab=VOCAB, max_prompt=6, max_new=10, arrival_span=0)
+    sched, fmap, _ = spec_run(specs, sched_type=_Recorder, delay=random_delay(4))
+    assert isinstance(sched, _Recorder)
     assert sched.events[:3] == [("schedule", 0), ("schedule", 1), ("process", 0)]
-    for i, (kind, step) in enumerate(sched.events[2:-1]):
+    for i, (kind, step) in enumerate(sched.events):
         # Every processed step N comes after step N+1 was scheduled (or after the last schedule).
         if kind == "process":
-            assert ("schedule", step + 1) in sched.events[: i + 2] or step == len(sched.batches) - 1
-    # After the first step every row names its previous step's slot: accept_len stays on the device.
-    assert all((b.last < 0).all() for b in sched.batches[1:])
-    assert sched.extra_rows > 0 and fmap.in_use == 0
-    assert sched.outputs == reference_outputs(specs, eos=-1)
+            assert ("schedule", step + 1) in sched.events[:i] or step == len(sched.batches) - 1
+    # A verifying request names its previous step's slot: its inputs and positions come from the
+    # device (the drafts and the seq_len field), never from a host copy of the accepted count.
+    verifying = [b for b in sched.batches if b.n_verify.size and (b.n_verify > 0).any()]
+    assert verifying
+    for b in verifying:
+        firsts = b.tokens[np.concatenate([[0], np.cumsum(b.seg_lens)[:-1]])]
+        assert (firsts[b.n_verify > 0] < 0).all()
+    assert fmap.in_use == 0 and sched.outputs == plain(specs)
 
 
-def test_failure_in_verify_surfaces_and_releases_slots() -> None:
-    specs = random_workload(5, 4, max_prompt=6, max_new=12, arrival_span=0)
-    fmap = FutureMap(32, device="cpu")
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_delays_on_every_speculative_op_and_gc_keep_plain_tokens(overlap: bool) -> None:
+    specs = random_workload(3, 6, vocab=VOCAB, max_prompt=6, max_new=12, arrival_span=3)
+    plan = FaultPlan(seed=3, max_delay_s=1e-3, delay_ops=SPEC_POINTS, host_delay_s=5e-4, gc_every_step=True)
+    sched, fmap, stats = spec_run(specs, overlap=overlap, faults=plan, trace=True)
+    assert sched.outputs == plain(specs) and fmap.in_use == 0
+    assert plan.injected["stream_delay"] >= len(SPEC_POINTS) * stats.steps
+    assert plan.injected["gc"] == stats.steps
+    assert {"prepare", "forward", "verify", "draft", "store", "copy"} <= {s.name for s in stats.device_spans}
+
+
+@pytest.mark.parametrize("point", [*SPEC_POINTS, "forward", "schedule", "process"])
+def test_a_fault_at_each_point_surfaces_and_releases_every_slot(point: str) -> None:
+    specs = random_workload(1, 6, vocab=VOCAB, max_prompt=6, max_new=12, arrival_span=3)
     threads = threading.active_count()
-    runtime = OverlapRuntime(SpecStep(ToySpecModel(ToyModel(fail_at=2), k=2)), fmap, delay=random_delay(5))
-    with pytest.raises(RuntimeError, match="planted failure in verify of step 2") as info:
-        runtime.run(SpecBatcher(specs, fmap))
-    assert any("step 2" in note for note in getattr(info.value, "__notes__", []))
+    fmap = FutureMap(64, device="cpu")
+    with pytest.raises(InjectedFault, match=f"at {point} of step 2"):
+        drafter = ToyDrafter(ToyModel(vocab=VOCAB), k=2)
+        drafter.bind(4, 128, fmap.device)
+        sched = ContinuousBatcher(specs, fmap, eos=-1, max_running=4, speculative=2)
+        step = SpecTokenStep(ToyModel(vocab=VOCAB), drafter, Sampler())
+        OverlapRuntime(step, fmap, faults=FaultPlan(raise_at={point: 2})).run(sched)
     assert fmap.in_use == 0 and threading.active_count() == threads
 
 
+def test_a_model_failure_surfaces_with_its_step_and_releases_slots() -> None:
+    specs = random_workload(5, 4, vocab=VOCAB, max_prompt=6, max_new=12, arrival_span=0)
+    with pytest.raises(RuntimeError, match="planted failure in forward of step 2") as info:
+        spec_run(specs, model=ToyModel(vocab=VOCAB, fail_at=2), delay=random_delay(5))
+    assert any("step 2" in note for note in getattr(info.value, "__notes__", []))
+
+
 @pytest.mark.parametrize("seed", range(4), ids=lambda s: f"workload{s}")
-def test_failed_spec_run_leaks_no_slot_when_the_host_is_slow(seed):
-    # Regression: the step's handle was allocated before its staging buffer; waiting for that
-    # buffer re-raised the stream's failure and the fresh handle was never released.
-    specs = random_workload(seed, 4, max_prompt=6, max_new=30, arrival_span=0)
+def test_a_failed_run_leaks_no_slot_when_the_host_is_slow(seed: int) -> None:
+    # Regression (found on the retired toy step): the step's handle was allocated before its
+    # staging buffer; waiting for that buffer re-raised the stream's failure and the fresh
+    # handle was never released.
+    specs = random_workload(seed, 4, vocab=VOCAB, max_prompt=6, max_new=30, arrival_span=0)
+
+    class Slow(ContinuousBatcher):
+        def process(self, result: Any) -> None:
+            time.sleep(0.02)  # host work longer than a device step: the failure lands mid-launch
+            super().process(result)
+
     fmap = FutureMap(64, device="cpu")
-    sched = SpecBatcher(specs, fmap)
-    process = sched.process
-
-    def slow_process(result):
-        time.sleep(0.02)  # host work longer than a device step: the failure lands mid-launch
-        return process(result)
-
-    sched.process = slow_process
+    drafter = ToyDrafter(ToyModel(vocab=VOCAB), k=2)
+    drafter.bind(4, 128, fmap.device)
+    sched = Slow(specs, fmap, eos=-1, max_running=4, speculative=2)
+    step = SpecTokenStep(ToyModel(vocab=VOCAB, fail_at=5), drafter, Sampler())
     with pytest.raises(RuntimeError, match="planted failure"):
-        OverlapRuntime(SpecStep(ToySpecModel(ToyModel(fail_at=5), k=2)), fmap, overlap=True).run(sched)
+        OverlapRuntime(step, fmap, overlap=True).run(sched)
     assert fmap.in_use == 0
+
+
+def test_the_toy_drafter_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        ToyDrafter(ToyModel(), k=0)
+    with pytest.raises(ValueError, match=r"error_rate must be in \[0, 1\]"):
+        ToyDrafter(ToyModel(), error_rate=1.5)
+
+
+def test_a_speculative_step_kind_takes_no_runtime_buckets_sampler_or_graphs() -> None:
+    from tfuture.steps.token import Buckets
+
+    def kind() -> SpecTokenStep:
+        return SpecTokenStep(ToyModel(), ToyDrafter(ToyModel(), k=2), Sampler())
+
+    fmap = FutureMap(8, device="cpu")
+    with pytest.raises(ValueError, match="plain model"):
+        OverlapRuntime(kind(), fmap, buckets=Buckets((8,), (2,)))
+    with pytest.raises(ValueError, match="plain model"):
+        OverlapRuntime(kind(), fmap, graphs=True)
+    with pytest.raises(ValueError, match="sampler are for token steps"):
+        OverlapRuntime(kind(), fmap, sampler=Sampler())

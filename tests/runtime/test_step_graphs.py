@@ -162,11 +162,7 @@ def test_bad_graph_options_are_refused() -> None:
         OverlapRuntime(object(), FutureMap(8, device="cpu"), buckets=BUCKETS, graphs=True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="graphs must be a bool"):
         OverlapRuntime(ToyModel(), FutureMap(8, device="cpu"), buckets=BUCKETS, graphs="yes")  # type: ignore[arg-type]
-    from tfuture.steps.speculative import SpecStep
-    from tfuture.testing.toy_spec import ToySpecModel
-
-    with pytest.raises(ValueError, match="plain model"):
-        OverlapRuntime(SpecStep(ToySpecModel()), FutureMap(8, device="cpu"), graphs=True)
+    # A step kind (the speculative one) takes no graphs: tests/runtime/test_speculative.py.
 
 
 @pytest.mark.gpu

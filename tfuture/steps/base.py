@@ -15,7 +15,8 @@ sample, tracing, faults and the error path. A :class:`StepKind` says what is spe
   host reads back and what the scheduler's ``process`` gets.
 
 :class:`tfuture.steps.token.TokenStep` is the plain step (prepare, forward, sample, store,
-copy); :class:`tfuture.steps.speculative.SpecStep` the speculative one.
+copy); :class:`tfuture.spec.SpecTokenStep` (drafts) and :class:`tfuture.spec.MultiStepTokenStep`
+(windows) are token steps with ops changed, as :class:`tfuture.distributed.step.ParallelStep` is.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from tfuture.streams.backends import ForwardStream, Marker, Span
 from tfuture.streams.base import SpanLog
 
@@ -211,3 +213,10 @@ class FaultyScheduler:
         if plan.gc_every_step:
             plan.injected["gc"] += 1
             gc.collect()
+
+
+def random_delay(seed: int, p: float = 0.3, max_s: float = 2e-3) -> Callable[[str], float]:
+    """A seeded ``delay`` hook for the forward stream (``OverlapRuntime(..., delay=...)``): sleep a
+    uniform ``0..max_s`` seconds before an op with probability ``p``."""
+    rng = np.random.default_rng(seed)
+    return lambda name: float(rng.uniform(0, max_s)) if rng.random() < p else 0.0

@@ -40,6 +40,17 @@ def greedy_sample(logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor 
     return rows.argmax(dim=-1)
 
 
+def _row_requests(batch: ForwardBatch) -> torch.Tensor:
+    """The request id of each of ``batch.sample_rows``: one row per sampling request, or (a
+    speculative step's verification rows, several per request) found from the segment starts."""
+    if batch.sample_rows.numel() == batch.sample_reqs.numel():
+        return batch.req_ids.index_select(0, batch.sample_reqs)
+    if batch.seg_starts is None:
+        raise ValueError("ToyModel: sample rows other than one per request need ForwardBatch.seg_starts")
+    ends = batch.seg_starts[1 : batch.req_ids.numel() + 1]
+    return batch.req_ids.index_select(0, torch.searchsorted(ends, batch.sample_rows, right=True))
+
+
 @dataclass
 class ToyModel:
     """Next token = argmax of hash(previous token, its position, request id, v) over the vocab.
@@ -64,12 +75,18 @@ class ToyModel:
             raise RuntimeError(f"ToyModel: planted failure in forward of step {batch.step}")
         dev = batch.input_ids.device
         device_work(self.work_s, dev, self.matmul)
-        # Logits for the sampling rows only: each sampling request's last token.
-        tok = batch.input_ids.index_select(0, batch.sample_rows).to(torch.int64)
-        pos = batch.positions.index_select(0, batch.sample_rows)
-        rid = batch.req_ids.index_select(0, batch.sample_reqs)
+        # Logits for the sampling rows only: each sampling request's last token (every
+        # verification row in a speculative step).
+        rows = batch.sample_rows
+        tok = batch.input_ids.index_select(0, rows).to(torch.int64)
+        pos = batch.positions.index_select(0, rows)
+        return self.scores(tok, pos, _row_requests(batch))
+
+    def scores(self, tok: torch.Tensor, pos: torch.Tensor, rid: torch.Tensor) -> torch.Tensor:
+        """``[n, vocab]`` float32 logits after token ``tok`` at position ``pos`` of request ``rid``
+        (each ``[n]`` int64): the model's whole function (its greedy token is their argmax)."""
         h = _mix(_mix(tok % _P + 7) + pos * 31 + rid * 131)
-        v = torch.arange(self.vocab, device=dev, dtype=torch.int64)
+        v = torch.arange(self.vocab, device=tok.device, dtype=torch.int64)
         scores = _mix(_mix(h[:, None] + v[None, :] * 2_654_435) % 65_521 + v[None, :])
         # Below 2**24 every score is exact in float32, so argmax ties only on equal hashes.
         return (scores % 16_777_213).to(torch.float32)
