@@ -103,6 +103,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps.token"},
     {"tfuture.spec.staging", "tfuture.spec.step"},  # the token step with drafts: its plan, its ops
     {"tfuture.spec.multistep"},  # several decode steps per launch: the token step, chained
+    {"tfuture.spec.spec_windows"},  # drafts and windows in one run: the two steps above
     {"tfuture.grammars.*"},
     {"tfuture.runtime"},
     {"tfuture.scheduler.*"},  # ContinuousBatcher, ServingScheduler, RequestSpec, GenerationParams

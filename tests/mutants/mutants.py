@@ -37,6 +37,7 @@ SPEC_DIST = ("tests/distributed/test_spec_multiprocess.py",)
 SPEC_GRAMMAR = ("tests/spec/test_spec_grammar.py",)
 MULTISTEP = ("tests/spec/test_multistep.py",)
 OMP_TEAM = ("tests/runtime/test_omp_team.py",)
+SPEC_WINDOWS = ("tests/spec/test_spec_windows.py",)
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- kernels: numpy path (cpu.py)
@@ -984,5 +985,29 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass",
         OMP_TEAM,
         "the host thread stays serial after the run",
+    ),
+    Mutant(
+        "spec-windows-drafter-not-released",
+        "tfuture/spec/spec_windows.py",
+        "            self.drafter.release(ended)",
+        "            pass",
+        SPEC_WINDOWS,
+        "a drafting request that ended is reported in a window: its drafter row is never given back",
+    ),
+    Mutant(
+        "spec-windows-ignore-drafting-requests",
+        "tfuture/scheduler/batcher.py",
+        "if self.multi_step > 1 and not (self.speculative and self._any_drafts(rows)):",
+        "if self.multi_step > 1:",
+        SPEC_WINDOWS,
+        "a step with drafting requests runs as a window (their drafts are never verified)",
+    ),
+    Mutant(
+        "spec-windows-own-sampler-claim",
+        "tfuture/spec/spec_windows.py",
+        "        self.window.owner = self\n",
+        "",
+        SPEC_WINDOWS,
+        "the window step claims the shared Sampler as another owner (refused mid-run)",
     ),
 )

@@ -143,8 +143,6 @@ def test_bad_configurations_are_refused() -> None:
     fmap = FutureMap(64)
     with pytest.raises(ValueError, match="multi_step must be an int >= 1"):
         ContinuousBatcher(workload(), fmap, multi_step=0)
-    with pytest.raises(ValueError, match="do not combine yet"):
-        ContinuousBatcher(workload(), fmap, multi_step=2, speculative=2)
     one = np.ones(1, dtype=np.int64)
     with pytest.raises(ValueError, match="n_steps must be an int >= 1"):
         DraftBatch(one, one, one * 0, one * 0, np.ones(1, dtype=bool), n_steps=0)
@@ -214,11 +212,9 @@ def test_an_engine_with_multi_step_streams_and_aborts(model: Any) -> None:
         assert not eng.busy and eng.fmap.in_use == 0
 
 
-def test_the_front_door_refuses_multi_step_with_speculation_and_bad_values(model: Any) -> None:
+def test_the_front_door_refuses_bad_window_lengths(model: Any) -> None:
     import tfuture
 
-    with pytest.raises(ValueError, match="do not combine yet"):
-        tfuture.Engine(model, max_len=64, multi_step=2, speculative=tfuture.NGramDrafter(k=2))
     with pytest.raises(ValueError, match="multi_step"):
         tfuture.Engine(model, max_len=64, multi_step=0)
 

@@ -115,7 +115,10 @@ class Engine:
             for small models whose host work per step outweighs the device's. The tokens are
             those of plain decoding for every ``K``; a finish inside a window drops the tokens
             past it (``stats``/the scheduler's ``extra_tokens``); a window with a grammar
-            request runs one step. Not with ``speculative`` (yet).
+            request runs one step. With ``speculative`` too, requests that draft keep their
+            speculative steps, and a step runs as a window when none of its requests drafts
+            (those submitted with ``GenerationParams(speculative=False)``;
+            :class:`tfuture.spec.SpecWindowStep`).
 
     Use it as a context manager, or call :meth:`close`: it aborts what is live, waits for
     the background thread, and gives a Hugging Face model it wrapped back its train/eval mode
@@ -149,11 +152,6 @@ class Engine:
             max_len = _count("max_len", max_len)
         multi_step = _count("multi_step", multi_step)
         self.drafter = check_drafter(speculative)
-        if multi_step > 1 and self.drafter is not None:
-            raise ValueError(
-                f"multi_step={multi_step} and speculative= do not combine yet: a speculative step already "
-                "gives several tokens per request (pass one of them)"
-            )
         # KV positions for drafts verified, or a window's steps run, past a request's end.
         extra = margin(self.drafter) + multi_step - 1
         if max_len is not None:
@@ -173,7 +171,7 @@ class Engine:
             k = 0 if self.drafter is None else self.drafter.k
             self.fmap = FutureMap((4 * max_running + 8) * (1 + k), device=_device(self.model, device))
             self.sampler = Sampler(history_rows=rows)
-            if multi_step > 1:
+            if multi_step > 1 and self.drafter is None:
                 window = MultiStepTokenStep(self.model, self.sampler)
                 self.runtime = OverlapRuntime(window, self.fmap, overlap=overlap, stream=stream, trace=trace)
             elif self.drafter is None:
@@ -183,7 +181,7 @@ class Engine:
             else:
                 assert self.max_len is not None
                 kind, draft_back = spec_step(
-                    self.model, self.drafter, self.sampler, max_running, self.max_len + extra
+                    self.model, self.drafter, self.sampler, max_running, self.max_len + extra, multi_step > 1
                 )
                 if draft_back is not None:  # the draft model's state, given back with the model's
                     give_back = self._give_back = _chain(give_back, draft_back)

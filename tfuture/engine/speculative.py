@@ -17,7 +17,7 @@ import torch
 from tfuture.engine.inputs import _is_hf_model
 from tfuture.engine.model_state import wrap
 from tfuture.sampling import Sampler
-from tfuture.spec import Drafter, ModelDrafter, SpecTokenStep
+from tfuture.spec import Drafter, ModelDrafter, SpecTokenStep, SpecWindowStep
 
 __all__ = ["check_drafter", "margin", "spec_step"]
 
@@ -42,11 +42,13 @@ def margin(drafter: Drafter | None) -> int:
 
 
 def spec_step(
-    model: Any, drafter: Drafter, sampler: Sampler, max_running: int, pool_len: int
+    model: Any, drafter: Drafter, sampler: Sampler, max_running: int, pool_len: int, windows: bool = False
 ) -> tuple[SpecTokenStep, Callable[[], None] | None]:
     """The token step of ``model`` with ``drafter`` bound to ``max_running`` rows of
     ``pool_len`` positions on the model's device (a draft model must share the vocabulary), and
-    what gives a Hugging Face draft model wrapped here its mode and attention back (or None)."""
+    what gives a Hugging Face draft model wrapped here its mode and attention back (or None).
+    ``windows``: a :class:`tfuture.spec.SpecWindowStep` (multi-step windows for the steps
+    where no request drafts)."""
     vocab = getattr(model, "vocab", None)
     if isinstance(drafter, ModelDrafter) and vocab is not None and drafter.vocab not in (None, vocab):
         raise ValueError(
@@ -61,7 +63,7 @@ def spec_step(
         drafter.adapter, give_back = wrap(drafter.draft_model, max_running, pool_len + drafter.k + 1)
     try:
         drafter.bind(max_running, pool_len, device)
-        return SpecTokenStep(model, drafter, sampler), give_back
+        return (SpecWindowStep if windows else SpecTokenStep)(model, drafter, sampler), give_back
     except BaseException:
         if give_back is not None:
             give_back()

@@ -135,12 +135,9 @@ class ContinuousBatcher(DraftScheduling):
             )
         if isinstance(multi_step, bool) or not isinstance(multi_step, int) or multi_step < 1:
             raise ValueError(f"multi_step must be an int >= 1 (decode steps per window), got {multi_step!r}")
-        if multi_step > 1 and speculative:
-            raise ValueError(
-                f"multi_step={multi_step} and speculative={speculative} do not combine yet: a speculative "
-                "step already gives several tokens per request"
-            )
         #: Decode steps per window (:class:`tfuture.spec.MultiStepTokenStep`; 1: one per step).
+        #: With ``speculative`` too (:class:`tfuture.spec.SpecWindowStep`), a step runs as a
+        #: window only when none of its requests drafts or verifies drafts.
         self.multi_step = multi_step
         #: Drafts each request makes per step (0: plain decoding, plain Batches). A grammar
         #: request's drafts are checked by masks the host builds from its matcher, walked through
@@ -357,7 +354,7 @@ class ContinuousBatcher(DraftScheduling):
             np.asarray(prefix, dtype=np.int64),
             np.asarray(rids, dtype=np.int64),
         )
-        if self.multi_step > 1:
+        if self.multi_step > 1 and not (self.speculative and self._any_drafts(rows)):
             return self._window_batch(rows, arrays, sample_mask, common), None, sample_mask
         if not self.speculative:
             return Batch(*arrays, sample_mask, **common), None, sample_mask

@@ -61,6 +61,12 @@ class DraftScheduling:
             return 0
         return self.speculative
 
+    def _any_drafts(self, rows: list[tuple[_Req, int, bool]]) -> bool:
+        """Whether a request of a step of ``rows`` makes drafts (then the step cannot be a
+        window). Whether a request drafts never changes, so one that does not has no drafts to
+        verify either."""
+        return any(self._drafts(r) for r, _, _ in rows)
+
     def _draft_mask(self, batch: DraftBatch, vocab: int, kind: str) -> np.ndarray:
         """``build_mask`` of a step where waiting requests verify drafts: per waiting request
         (``mask_requests`` order) ``1 + n_verify`` rows, the allowed tokens after its committed

@@ -6,7 +6,8 @@ device history), :class:`SpecTokenStep` verifies them (greedy acceptance, or rej
 over the request's parameters: :mod:`tfuture.spec.verify`) and stores each request's last
 committed token, its next drafts and its sequence length in its future slots, so the next
 step, scheduled before the host saw this one, reads them there. :class:`MultiStepTokenStep`
-runs several decode steps per launch on the same machinery (``DraftBatch.n_steps``).
+runs several decode steps per launch on the same machinery (``DraftBatch.n_steps``), and
+:class:`SpecWindowStep` runs both in one run (windows where no request drafts).
 """
 
 from tfuture.spec.batch import DraftBatch, DraftResult
@@ -14,6 +15,7 @@ from tfuture.spec.drafter import DraftContext, Drafter
 from tfuture.spec.model_drafter import ModelDrafter
 from tfuture.spec.multistep import MultiStepTokenStep
 from tfuture.spec.ngram import NGramDrafter
+from tfuture.spec.spec_windows import SpecWindowStep
 from tfuture.spec.step import SpecTokenStep
 
 __all__ = [
@@ -25,4 +27,5 @@ __all__ = [
     "MultiStepTokenStep",
     "NGramDrafter",
     "SpecTokenStep",
+    "SpecWindowStep",
 ]

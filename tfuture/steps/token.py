@@ -80,6 +80,9 @@ class TokenStep(StepKind):
         self.fmap: FutureMap | None = None
         self._outs: dict[tuple[int, int], PreparedInputs] = {}
         self._vocab: int | None = None  # logits width, once a step sampled (for mask checks)
+        #: Who claims the Sampler for a run: this step, or the step kind that runs this one's
+        #: steps among its own (:class:`tfuture.spec.SpecWindowStep`), so that both share it.
+        self.owner: object = self
 
     def bind(self, fmap: FutureMap) -> None:
         if self.graphs is not None and fmap.debug:
@@ -152,7 +155,7 @@ class TokenStep(StepKind):
             late, now, mask_rows = _NO_ROWS, sample_reqs if every else _arange(sample_reqs.size), _NO_ROWS
         else:
             late, now, mask_rows = self._split_rows(batch, sample_reqs)
-        splan = self.path.plan(self, batch, sample_reqs)
+        splan = self.path.plan(self.owner, batch, sample_reqs)
         split = bool(late.size and now.size)
         # A decode step where every request samples, unpadded: its sampling requests are its
         # last rows (both arange(n_reqs)); prepare takes that view instead of staging a copy.
@@ -402,7 +405,7 @@ class TokenStep(StepKind):
     def close(self) -> None:
         if self.graphs is not None and self.fmap is not None:
             self.graphs.close(self.fmap)  # the scratch slot (the stream was drained)
-        self.path.close(self)
+        self.path.close(self.owner)
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
