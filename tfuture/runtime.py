@@ -155,6 +155,14 @@ class OverlapRuntime:
         """
         if max_steps is not None:
             max_steps = as_count("max_steps", max_steps)
+        window = getattr(scheduler, "multi_step", 1)
+        if isinstance(window, int) and window > 1 and not getattr(self.kind, "windows", False):
+            # Before any step: the batch check would refuse only the first window, mid-run.
+            raise ValueError(
+                f"the scheduler runs multi-step windows (multi_step={window}) and this runtime's "
+                f"{type(self.kind).__name__} runs one decode step per launch: give the runtime "
+                "tfuture.spec.MultiStepTokenStep (tfuture.spec.SpecWindowStep for a speculative scheduler)"
+            )
         self._settle()
         self.fmap.claim_driver()
         user_scheduler = scheduler

@@ -989,7 +989,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "spec-windows-drafter-not-released",
         "tfuture/spec/spec_windows.py",
-        "            self.drafter.release(ended)",
+        "            self.drafter.release(state.ended)",
         "            pass",
         SPEC_WINDOWS,
         "a drafting request that ended is reported in a window: its drafter row is never given back",
@@ -1009,5 +1009,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "",
         SPEC_WINDOWS,
         "the window step claims the shared Sampler as another owner (refused mid-run)",
+    ),
+    Mutant(
+        "spec-windows-drafter-not-shown",
+        "tfuture/spec/spec_windows.py",
+        "        self.drafter.observe(state.fwd)",
+        "        pass",
+        SPEC_WINDOWS,
+        "a draft model never takes the KV row of a request whose prefill ran in a window",
+    ),
+    Mutant(
+        "runtime-windows-checked-at-the-first-window-only",
+        "tfuture/runtime.py",
+        'if isinstance(window, int) and window > 1 and not getattr(self.kind, "windows", False):',
+        "if False:",
+        ("tests/spec/test_spec_windows.py", "tests/spec/test_multistep.py"),
+        "a window scheduler given a kind without windows runs until its first window",
     ),
 )

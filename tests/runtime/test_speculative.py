@@ -154,9 +154,16 @@ def test_a_fault_at_each_point_surfaces_and_releases_every_slot(point: str) -> N
 
 def test_a_model_failure_surfaces_with_its_step_and_releases_slots() -> None:
     specs = random_workload(5, 4, vocab=VOCAB, max_prompt=6, max_new=12, arrival_span=0)
+    threads = threading.active_count()
+    fmap = FutureMap(64, device="cpu")
+    drafter = ToyDrafter(ToyModel(vocab=VOCAB), k=2)
+    drafter.bind(4, 128, fmap.device)
+    sched = ContinuousBatcher(specs, fmap, eos=-1, max_running=4, speculative=2)
+    step = SpecTokenStep(ToyModel(vocab=VOCAB, fail_at=2), drafter, Sampler())
     with pytest.raises(RuntimeError, match="planted failure in forward of step 2") as info:
-        spec_run(specs, model=ToyModel(vocab=VOCAB, fail_at=2), delay=random_delay(5))
+        OverlapRuntime(step, fmap, delay=random_delay(5)).run(sched)
     assert any("step 2" in note for note in getattr(info.value, "__notes__", []))
+    assert fmap.in_use == 0 and threading.active_count() == threads
 
 
 @pytest.mark.parametrize("seed", range(4), ids=lambda s: f"workload{s}")

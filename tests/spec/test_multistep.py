@@ -220,13 +220,24 @@ def test_the_front_door_refuses_bad_window_lengths(model: Any) -> None:
 
 
 def test_a_step_kind_without_windows_refuses_a_window_by_name(model: Any) -> None:
-    """ContinuousBatcher(multi_step=K) driven by the plain token step: refused at the first
-    window, never run one step with the host counting K tokens."""
+    """ContinuousBatcher(multi_step=K) driven by the plain token step: refused before the first
+    step; a scheduler that does not say it makes windows is refused at its first window. Never
+    one step run with the host counting K tokens."""
     fmap = FutureMap(256)
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     sched = ContinuousBatcher(workload(), fmap, eos=NO_STOP, max_running=ROWS, multi_step=4)
+    runtime = OverlapRuntime(hf, fmap, trace=False, sampler=Sampler())
+    with pytest.raises(ValueError, match=r"multi_step=4\) and this runtime's TokenStep runs one decode step"):
+        runtime.run(sched)
+    assert sched.tick == 0 and fmap.in_use == 0
+
+    class Quiet(ContinuousBatcher):
+        # Says multi_step=1 until its first schedule, then makes windows.
+        multi_step = property(lambda self: 4 if self.tick else 1, lambda self, v: None)  # type: ignore[assignment]
+
+    quiet = Quiet(workload(), fmap, eos=NO_STOP, max_running=ROWS, multi_step=4)
     with pytest.raises(ValueError, match=r"TokenStep runs one decode step per launch.*n_steps=4"):
-        OverlapRuntime(hf, fmap, trace=False, sampler=Sampler()).run(sched)
+        runtime.run(quiet)
     assert fmap.in_use == 0
 
 

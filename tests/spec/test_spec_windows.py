@@ -150,6 +150,35 @@ def test_the_n_gram_drafter_under_stream_delays_in_both_modes() -> None:
     assert windows(outs[0]) and outs[0].drafted_tokens > 0
 
 
+def test_a_speculative_step_without_windows_is_refused_before_the_first_step() -> None:
+    fmap = FutureMap(256, device="cpu")
+    drafter = ToyDrafter(ToyModel(vocab=VOCAB), k=K_DRAFT)
+    drafter.bind(ROWS, 128, fmap.device)
+    sched = Recording(workload(), fmap, eos=-1, max_running=ROWS, speculative=K_DRAFT, multi_step=K_STEPS)
+    runtime = OverlapRuntime(SpecTokenStep(ToyModel(vocab=VOCAB), drafter, Sampler()), fmap)
+    with pytest.raises(ValueError, match=r"multi_step=4\) and this runtime's SpecTokenStep .*SpecWindowStep"):
+        runtime.run(sched)
+    assert not sched.batches and fmap.in_use == 0
+
+
+def test_a_failure_inside_a_window_gives_everything_back() -> None:
+    from tfuture.testing.faults import FaultPlan, InjectedFault
+
+    fmap = FutureMap(256, device="cpu")
+    drafter = NGramDrafter(k=K_DRAFT, max_ngram=2)
+    drafter.bind(ROWS, 128, fmap.device)
+    sampler = Sampler(history_rows=ROWS)
+    specs = [replace(s, drafts=False) for s in workload(6)]  # every step a window
+    for point in ("decode", "store"):
+        sched = Recording(specs, fmap, eos=-1, max_running=ROWS, speculative=K_DRAFT, multi_step=K_STEPS)
+        kind = SpecWindowStep(ToyModel(vocab=VOCAB), drafter, sampler)
+        with pytest.raises(InjectedFault, match=f"at {point} of step 3"):
+            OverlapRuntime(kind, fmap, faults=FaultPlan(raise_at={point: 3})).run(sched)
+        assert windows(sched) and fmap.in_use == 0 and sampler.live_rows == 0
+    # The Sampler and the map serve a fresh run afterwards.
+    assert run(workload(6)).outputs == plain(workload(6))
+
+
 def test_the_front_door_takes_speculation_and_windows_together() -> None:
     pytest.importorskip("transformers")
     import tfuture
@@ -171,3 +200,29 @@ def test_the_front_door_takes_speculation_and_windows_together() -> None:
         assert isinstance(eng.runtime.kind, SpecWindowStep)
         out = eng.generate(prompts[1:2], params[1], progress=False)
         assert out[0].token_ids == want[1].token_ids and eng.fmap.in_use == 0
+
+
+def test_a_draft_model_sees_requests_whose_prefill_ran_in_a_window() -> None:
+    # Two rows: D1 and R1 speculate; D1 ends and R2 (no drafts) is admitted beside R1, so R2's
+    # prefill runs in a window; R1 ends and D2 joins R2 in a speculative step, where the draft
+    # model must already hold R2's KV row (it failed with "holds no KV row" before).
+    pytest.importorskip("transformers")
+    import copy
+
+    import tfuture
+    from tfuture.examples.hf import build_llama
+    from tfuture.scheduler import GenerationParams
+
+    model = build_llama(vocab=96, hidden=48, layers=2, seed=0)
+    drafting = GenerationParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain_p = GenerationParams(max_tokens=10, temperature=0, ignore_eos=True, speculative=False)
+    prompts = [[3, 5, 7, 3, 5], [4, 6, 8], [9, 10, 11, 12], [3, 5, 7, 3, 5, 7]]
+    params = [drafting, plain_p, plain_p, drafting]
+    want = tfuture.generate(model, prompts, params, max_running=2)
+    for overlap in (True, False):
+        drafter = tfuture.ModelDrafter(copy.deepcopy(model), k=2)
+        got = tfuture.generate(
+            model, prompts, params, max_running=2, speculative=drafter, multi_step=4, overlap=overlap
+        )
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.finish_reason for r in got] == ["length"] * 4

@@ -9,8 +9,11 @@ with a drafting request is a speculative step, where the others decode one token
 The step kind is the speculative step, holding a :class:`tfuture.spec.MultiStepTokenStep` over
 the same model, Sampler and map that runs the windows (``DraftBatch.n_steps > 1``). Both claim
 the Sampler as one owner, so penalties and seeded draws follow each request across both kinds of
-step. A window's requests never draft, so the drafter sees none of its tokens; it still hears
-of the requests that ended (its rows go back), in stream order. Slots are kept as the
+step. A window's requests never draft; the drafter still sees each window's first step (a draft
+model keeps a KV row for every request a speculative step may hold, so a request whose prefill
+ran in a window has one) and hears of the requests that ended (its rows go back), in stream
+order. It does not see a window's later steps: the draft model's cache of a request that never
+drafts has gaps there, which only its unused drafts read. Slots are kept as the
 speculative step keeps them (a request's next step names its last one's).
 """
 
@@ -68,9 +71,15 @@ class SpecWindowStep(SpecTokenStep):
             super().prepare(rec, inputs)
             return
         self.window.prepare(rec, inputs)
-        ended = rec.state.ended
-        if self.drafts and ended.size:
-            self.drafter.release(ended)  # in stream order, as a speculative step's prepare does
+        if not self.drafts:
+            return
+        # As a speculative step's prepare does, in stream order: the ended requests' rows back
+        # first, then the window's first step shown (a draft model takes the KV rows of requests
+        # whose prefill runs here; a later speculative step may hold them beside drafting ones).
+        state = rec.state
+        if state.ended.size:
+            self.drafter.release(state.ended)
+        self.drafter.observe(state.fwd)
 
     def forward_ops(self, rec: InFlight) -> list[Op]:
         return self.window.forward_ops(rec) if self._windowed(rec) else super().forward_ops(rec)

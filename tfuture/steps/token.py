@@ -114,7 +114,7 @@ class TokenStep(StepKind):
             raise ValueError(
                 f"{type(self).__name__} runs one decode step per launch, but the batch asks for "
                 f"n_steps={batch.n_steps} (a multi-step window of ContinuousBatcher(multi_step=K)): "  # type: ignore[attr-defined]
-                "run it with tfuture.spec.MultiStepTokenStep"
+                "run it with tfuture.spec.MultiStepTokenStep (tfuture.spec.SpecWindowStep when it drafts)"
             )
         seg_lens, prefix, rids, sample = batch.seg_lens, batch.prefix_lens, batch.req_ids, batch.sample
         n_reqs, n_tok = seg_lens.size, batch.tokens.size
