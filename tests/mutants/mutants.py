@@ -1026,4 +1026,12 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/spec/test_spec_windows.py", "tests/spec/test_multistep.py"),
         "a window scheduler given a kind without windows runs until its first window",
     ),
+    Mutant(
+        "omp-park-before-torch-thread-init",
+        "tfuture/streams/omp.py",
+        "                torch.get_num_threads()\n",
+        "",
+        OMP_TEAM,
+        "on a fresh host thread torch's lazy per-thread init undoes the park at its first parallel op",
+    ),
 )

@@ -94,6 +94,26 @@ def test_a_release_on_another_thread_leaves_both_threads_alone(two_threads):
     assert torch.get_num_threads() == 2
 
 
+def test_the_park_holds_on_a_fresh_thread_whose_torch_init_comes_later(two_threads):
+    # An Engine drives its runtime from a background thread: torch's lazy per-thread init of the
+    # team size, at that thread's first parallel op, must not undo the park.
+    seen: list[int] = []
+
+    def host() -> None:
+        team = HostTeamParked()
+        owner = team.acquire()
+        _parallel_op()
+        (torch.ones(1_000_000) * 2).sum()
+        seen.append(torch.get_num_threads())
+        team.release(owner)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=host)
+    t.start()
+    t.join()
+    assert seen == [1, 2]
+
+
 def test_a_run_gives_the_same_tokens_and_restores_the_size(two_threads):
     from tfuture import FutureMap
     from tfuture.runtime import OverlapRuntime

@@ -15,7 +15,9 @@ libgomp frees the calling thread's pool) and sets the host thread's own team siz
 build the pool again while the worker runs the forward. The worker keeps torch's intra-op
 thread count (``torch.set_num_threads``). The last stream on a thread to close restores the
 team size; the pool comes back by itself at the next parallel op. Torch ops that a callback
-runs on the host thread during a run are serial.
+runs on the host thread during a run are serial. Only the host thread's own pool can be
+released: where another thread that ran parallel ops lives on (the main thread, while an
+``Engine`` drives its runtime from its background thread), its pool still counts.
 
 Nothing happens where libgomp is not loaded (LLVM or Intel OpenMP, other platforms): those
 runtimes do not throttle this way.
@@ -27,6 +29,8 @@ import ctypes
 import os
 import threading
 from typing import Any
+
+import torch
 
 __all__ = ["HostTeamParked", "libgomp"]
 
@@ -65,6 +69,9 @@ class HostTeamParked:
         if lib is not None:
             users = getattr(loc, "users", 0)
             if users == 0:
+                # Torch sets a thread's team size at the thread's first parallel op (its lazy
+                # per-thread init): done now, so that it cannot undo the park later.
+                torch.get_num_threads()
                 loc.saved = int(lib.omp_get_max_threads())
                 lib.omp_set_num_threads(1)
                 lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)
