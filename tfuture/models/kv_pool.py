@@ -222,7 +222,9 @@ class StepLayout:
     ) -> torch.Tensor:
         """Write this step's ``k``, ``v`` (``[1, kv_heads, n_tok, head_dim]`` and ``[1, v_heads, n_tok,
         v_head_dim]``, packed) into the cache, then attend with ``q [1, heads, n_tok, head_dim]``
-        within the layer's window; returns ``[1, n_tok, heads, v_head_dim]``.
+        within the layer's window; returns ``[1, n_tok, heads, v_head_dim]``. The keys and
+        values ``attn`` gets may be views of the cache itself (consecutive rows): it must not
+        write them.
         """
         kc, vc = self.pool.k[layer], self.pool.v[layer]
         # One flat index per token (rows x positions are contiguous in a layer's cache): an
