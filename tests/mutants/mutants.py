@@ -1034,4 +1034,21 @@ MUTANTS: tuple[Mutant, ...] = (
         OMP_TEAM,
         "on a fresh host thread torch's lazy per-thread init undoes the park at its first parallel op",
     ),
+    Mutant(
+        "omp-interrupted-park-keeps-size",
+        "tfuture/streams/omp.py",
+        "                except BaseException:  # a Ctrl-C here: the thread keeps its team size\n"
+        "                    lib.omp_set_num_threads(loc.saved)\n",
+        "                except BaseException:  # a Ctrl-C here: the thread keeps its team size\n",
+        OMP_TEAM,
+        "a Ctrl-C between the two OpenMP calls leaves the host thread serial for good",
+    ),
+    Mutant(
+        "stream-interrupted-park-keeps-switch-interval",
+        "tfuture/streams/backends.py",
+        "            SWITCH_INTERVAL.release()  # nothing else taken yet\n",
+        "",
+        OMP_TEAM,
+        "a stream whose park was interrupted leaves the GIL switch interval lowered",
+    ),
 )

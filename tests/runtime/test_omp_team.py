@@ -128,3 +128,31 @@ def test_a_run_gives_the_same_tokens_and_restores_the_size(two_threads):
         outs.append(sched.outputs)
         assert torch.get_num_threads() == 2
     assert outs[0] == outs[1]
+
+
+def test_an_interrupt_while_parking_gives_the_size_and_the_switch_interval_back(two_threads, monkeypatch):
+    import sys
+
+    from tfuture.streams import omp
+
+    before = sys.getswitchinterval()
+    real = omp.HOST_TEAM._lib
+
+    class Interrupted:
+        """libgomp whose pause is interrupted (a Ctrl-C between the two calls)."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def omp_pause_resource_all(self, kind: int) -> int:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(omp.HOST_TEAM, "_lib", Interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        CpuStream()
+    assert torch.get_num_threads() == 2 and sys.getswitchinterval() == before
+    monkeypatch.setattr(omp.HOST_TEAM, "_lib", real)
+    stream = CpuStream()  # parks again: the failed acquire left no user behind
+    assert torch.get_num_threads() == 1
+    stream.close()
+    assert torch.get_num_threads() == 2

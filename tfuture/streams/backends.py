@@ -110,7 +110,11 @@ class CpuStream(ForwardStream):
         self._inference = torch.is_inference_mode_enabled()
         self._host = threading.current_thread()
         SWITCH_INTERVAL.acquire(switch_s)
-        self._team_owner = HOST_TEAM.acquire()
+        try:
+            self._team_owner = HOST_TEAM.acquire()
+        except BaseException:
+            SWITCH_INTERVAL.release()  # nothing else taken yet
+            raise
         # Ops submitted, and ops the worker got past (run, skipped or failed); under _cond.
         self._submitted = 0
         self._done = 0

@@ -73,8 +73,12 @@ class HostTeamParked:
                 # per-thread init): done now, so that it cannot undo the park later.
                 torch.get_num_threads()
                 loc.saved = int(lib.omp_get_max_threads())
-                lib.omp_set_num_threads(1)
-                lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)
+                try:
+                    lib.omp_set_num_threads(1)
+                    lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)
+                except BaseException:  # a Ctrl-C here: the thread keeps its team size
+                    lib.omp_set_num_threads(loc.saved)
+                    raise
             loc.users = users + 1
         return me
 
