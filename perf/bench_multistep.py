@@ -16,7 +16,10 @@ Two parts, ``K`` in {1, 2, 4, 8} (``K = 1``: the plain token step):
   ``max(T_cpu, K * T_dev)`` for ``K * BATCH`` tokens.
 * ``generate``: ``tfuture.generate(..., multi_step=K)`` on the 3M Hugging Face Llama of
   ``bench_generate`` (fp32, one torch thread), batch 8, ``NEW`` greedy tokens each, engine
-  construction included: tokens per second of wall time.
+  construction included: tokens per second of wall time. Its ceiling goes to the summary
+  (``generate_forward_floor_tokens_per_s``, ``generate_ceiling_over_k1``): the same batch
+  through the bare model's own forwards with its own cache, prefill and ``NEW`` decode steps,
+  nothing else; no ``K`` can beat it.
 
 Every ``K`` gives the same tokens as ``K = 1`` (checked). Summary (``summary.json`` under
 ``multistep``): per ``K`` the medians and the ratios to ``K = 1``, and the tokens wasted past
@@ -73,6 +76,23 @@ def toy_run(k: int, eos: int = EOS, overlap: bool = True) -> tuple[float, float,
     runtime.run(sched)
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     return wall, cpu, sched.extra_tokens, sched.outputs
+
+
+def forward_floor(model: Any, ps: list[list[int]]) -> float:
+    """Tokens/s if a step cost only the model's own forward: the bare HF model (no tfuture, no
+    ``generate``) prefilling the left-padded batch and running ``NEW`` greedy decode forwards
+    with its own cache. No engine, sampler or scheduler reaches this, so no window can either."""
+    from perf.bench_generate import hf_kwargs
+
+    kw = hf_kwargs(ps, NEW)
+    ids, mask = kw["input_ids"], kw["attention_mask"]
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    for _ in range(NEW - 1):
+        tok = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+        out = model(input_ids=tok, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+    return len(ps) * NEW / (time.perf_counter() - t0)
 
 
 def generate_run(model: Any, ps: list[list[int]], k: int) -> tuple[float, list[list[int]]]:
@@ -143,6 +163,7 @@ def measure() -> dict[tuple[str, int], np.ndarray]:
 
             for k, v in harness.interleaved({str(k): gen(k) for k in KS}, REPEATS).items():
                 got[("generate", int(k))] = v
+            got[("floor", 1)] = np.asarray([forward_floor(model, ps) for _ in range(REPEATS)])
     finally:
         torch.set_num_threads(before)
     return got
@@ -213,6 +234,11 @@ def main() -> None:
             rate = float(np.median(got[("generate", k)]))
             summary[f"K{k}"]["generate_tokens_per_s"] = round(rate, 1)
             summary[f"K{k}"]["generate_over_k1"] = round(rate / float(np.median(got[("generate", 1)])), 3)
+    if ("floor", 1) in got:
+        floor = float(np.median(got[("floor", 1)]))
+        summary["generate_forward_floor_tokens_per_s"] = round(floor, 1)
+        # The most any K can give over K = 1 on this model and machine: every host cost gone.
+        summary["generate_ceiling_over_k1"] = round(floor / float(np.median(got[("generate", 1)])), 3)
     harness.record("multistep", summary)
     for key, row in summary.items():
         print(f"bench_multistep {key}: {row}")
