@@ -981,8 +981,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "omp-host-size-not-restored",
         "tfuture/streams/omp.py",
-        "            lib.omp_set_num_threads(loc.saved)",
-        "            pass",
+        "        if loc.users == 0:\n            lib.omp_set_num_threads(loc.saved)",
+        "        if loc.users == 0:\n            pass",
         OMP_TEAM,
         "the host thread stays serial after the run",
     ),
