@@ -175,8 +175,7 @@ def spec_parts(ep: Episode, fmap: FutureMap, plan: FaultPlan) -> tuple[Continuou
 
 def reference_outputs(ep: Episode) -> dict[int, list[int]]:
     """Plain greedy decoding of the toy target, request by request on the host."""
-    target = ToyModel(vocab=ep.vocab)
-    return {s.rid: target.reference(s.prompt, s.rid, s.max_new, eos=0) for s in ep.specs}
+    return ToyModel(vocab=ep.vocab).references(ep.specs, eos=0)
 
 
 def run_checked(

@@ -32,8 +32,7 @@ VOCAB = 64
 
 def plain(specs: list[RequestSpec], eos: int = -1) -> dict[int, list[int]]:
     """Plain greedy decoding of the toy target, request by request on the host."""
-    target = ToyModel(vocab=VOCAB)
-    return {s.rid: target.reference(s.prompt, s.rid, s.max_new, eos) for s in specs}
+    return ToyModel(vocab=VOCAB).references(specs, eos)
 
 
 def spec_run(

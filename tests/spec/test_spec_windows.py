@@ -80,8 +80,7 @@ def run(
 
 
 def plain(specs: list[RequestSpec]) -> dict[int, list[int]]:
-    target = ToyModel(vocab=VOCAB)
-    return {s.rid: target.reference(s.prompt, s.rid, s.max_new, -1) for s in specs}
+    return ToyModel(vocab=VOCAB).references(specs, -1)
 
 
 def windows(sched: Recording) -> list[DraftBatch]:

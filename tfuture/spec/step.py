@@ -64,7 +64,6 @@ class SpecState(TokenState):
     max_len: int = 0
     n_out: int = 0  # the step's fresh slots: a last committed token and k drafts a request
     n_stored: int = 0  # of those, read back to the host (a waiting request drafted): 0 or n_out
-    n_steps: int = 1  # decode steps (MultiStepTokenStep): the committed tokens' width when > 1
     mask_vrows: np.ndarray = _NONE  # the verification row of each mask row
     verified: Any = None
     new_len: torch.Tensor | None = None
@@ -343,14 +342,14 @@ class SpecTokenStep(TokenStep):
 
     def n_result(self, rec: InFlight) -> int:
         state: SpecState = rec.state
-        return state.n_sample * (max(state.width, state.n_steps) + 1) + state.n_stored
+        return state.n_sample * (state.width + 1) + state.n_stored
 
     def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
         state: SpecState = rec.state
         v = state.verified
         if v is None:
             return
-        n, w = state.n_sample, max(state.width, state.n_steps)
+        n, w = state.n_sample, state.width
         dst[: n * w].view(n, w).copy_(v.committed, non_blocking=True)
         dst[n * w : n * (w + 1)].copy_(v.n_commit, non_blocking=True)
         if state.n_stored:
@@ -365,7 +364,7 @@ class SpecTokenStep(TokenStep):
 
     def draft_result(self, step: int, batch: Batch, state: SpecState, words: np.ndarray) -> DraftResult:
         """HOST: step ``step``'s committed tokens and counts (``words``), checked."""
-        n, w = state.n_sample, max(state.width, state.n_steps)
+        n, w = state.n_sample, state.width
         committed, counts = words[: n * w].reshape(n, w), words[n * w : n * (w + 1)].astype(np.int64)
         keep = np.arange(w)[None, :] < counts[:, None]
         tokens = committed[keep]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,6 +97,10 @@ class ToyModel:
         if self.fail_sample_at is not None and batch.step == self.fail_sample_at:
             raise RuntimeError(f"ToyModel: planted failure in sample of step {batch.step}")
         return greedy_sample(logits, batch, mask)
+
+    def references(self, specs: Iterable[Any], eos: int | None = None) -> dict[int, list[int]]:
+        """:meth:`reference` of every request spec (``rid``, ``prompt``, ``max_new``), by id."""
+        return {s.rid: self.reference(s.prompt, s.rid, s.max_new, eos) for s in specs}
 
     def reference(self, prompt: np.ndarray, rid: int, n_new: int, eos: int | None = None) -> list[int]:
         """Plain host-side generation (no batching, no futures), for end-to-end checks."""
