@@ -9,6 +9,13 @@ without tfuture: a thread runs ``N`` forwards of ``bench_generate``'s random-wei
 (decode-shaped, ``batch`` tokens of one position each, no cache) while the main thread runs a
 pure-Python loop sized to about 30% of the forwards' time, as a host's per-step work is.
 
+Second table: what one hand-off to the worker and back costs on this machine, without torch: a
+thread answers each request from a queue after ``busy`` microseconds of Python, and the round
+trip beyond ``busy`` is the cost of two thread wake-ups. On a virtual machine whose idle CPUs
+halt (Linux ``cpuidle`` ``haltpoll``), a thread that waited longer than the halt-poll window is
+woken through the hypervisor, and each wake-up then costs tens to hundreds of microseconds: the
+CPU worker pays it at least once per step, where inline ops pay nothing.
+
 Per cell, medians of ``REPEATS``: ``forward`` alone, ``host`` alone, ``together`` (both
 started at once, until both ended), and ``hidden = (forward + host - together) / host``: 1 when
 the host's work fits entirely into the forward's GIL-free time, 0 when the two run one after the
@@ -19,6 +26,7 @@ switch intervals: the 30 us the CPU worker sets while it runs (so that a device 
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
@@ -69,6 +77,42 @@ def _cell(model: object, batch: int, n_fwd: int) -> tuple[float, float, float]:
     return fwd, host, together
 
 
+def _handoff(busy_us: float, n: int = 400) -> float:
+    """Microseconds one request/answer round trip through two queues costs beyond ``busy_us``
+    of work on the answering thread (the median over ``n`` round trips)."""
+    ask: queue.SimpleQueue[float | None] = queue.SimpleQueue()
+    answer: queue.SimpleQueue[float] = queue.SimpleQueue()
+
+    def serve() -> None:
+        while (work := ask.get()) is not None:
+            end = time.perf_counter() + work
+            while time.perf_counter() < end:
+                pass
+            answer.put(work)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    trips = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ask.put(busy_us * 1e-6)
+            answer.get()
+            trips.append(time.perf_counter() - t0)
+    finally:
+        ask.put(None)
+        thread.join()
+    return float(np.median(trips)) * 1e6 - busy_us
+
+
+def _cpuidle() -> str:
+    try:
+        with open("/sys/devices/system/cpu/cpuidle/current_driver") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     saved = sys.getswitchinterval()
@@ -88,6 +132,10 @@ def main() -> None:
                 )
     finally:
         sys.setswitchinterval(saved)
+    print(f"\nhand-off to a thread and back (cpuidle driver: {_cpuidle()})")
+    print(f"{'busy us':>8} {'round trip beyond busy, us':>27}")
+    for busy in (0, 50, 200, 500, 2000):
+        print(f"{busy:>8} {_handoff(busy):>27.1f}")
 
 
 if __name__ == "__main__":

@@ -568,6 +568,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "a token does not attend to its own key",
     ),
     Mutant(
+        "kv-dense-mask-hides-own-key",
+        "tfuture/models/kv_pool.py",
+        "last_key = tok_pos.view(n_reqs, 1, width, 1)",
+        "last_key = tok_pos.view(n_reqs, 1, width, 1) - 1",
+        ("tests/models/test_kv_pool_bounds.py",),
+        "a dense (decode) step's token does not see its own key",
+    ),
+    Mutant(
+        "kv-rows-view-from-row-0",
+        "tfuture/models/kv_pool.py",
+        "(layer * n_rows + lo) * row)",
+        "(layer * n_rows) * row)",
+        ("tests/models/test_kv_pool_bounds.py",),
+        "consecutive rows lo..hi are read from row 0 (requests get other requests' keys)",
+    ),
+    Mutant(
         "kv-row-span-ignores-order",
         "tfuture/models/kv_pool.py",
         " and bool((np.diff(row_ids) == 1).all())",

@@ -64,6 +64,11 @@ class KVPool:
             rows = (n_layers, n_rows, max_len)
             self.k = torch.zeros((*rows, n_kv_heads, head_dim), dtype=dtype, device=device)
             self.v = torch.zeros((*rows, v_heads, v_dim), dtype=dtype, device=device)
+            # What every step reuses: each layer's cache flattened over rows and positions (one
+            # index per token writes it), and the key positions 0..max_len-1 (the masks).
+            self.k_flat = [layer.flatten(0, 1) for layer in self.k]
+            self.v_flat = [layer.flatten(0, 1) for layer in self.v]
+            self.key_pos = torch.arange(max_len, device=device)
         self.n_rows, self.max_len = n_rows, max_len
         self._alloc = RowAllocator(n_rows)
 
@@ -193,14 +198,18 @@ class StepLayout:
         consecutive = (
             n_reqs > 0 and int(row_ids[-1]) - first == n_reqs - 1 and bool((np.diff(row_ids) == 1).all())
         )
-        tok_rows, pad_idx, prefix, cols = (_dense_index if dense else _ragged_index)(
-            batch, req_rows, n_tok, width
-        )
-        last_key = (prefix[:, None] + cols)[:, None, :, None]  # [n_reqs, 1, width, 1]
-        keys = torch.arange(kv_len, device=dev)
+        tok_pos = batch.positions[:n_tok]
+        if dense:
+            # Token q * width + i stands at position prefix[q] + i: its last visible key.
+            tok_rows = req_rows if width == 1 else req_rows.repeat_interleave(width, output_size=n_tok)
+            pad_idx = torch.arange(n_tok, device=dev)  # read only by a ragged step's attend
+            last_key = tok_pos.view(n_reqs, 1, width, 1)
+        else:
+            tok_rows, pad_idx, prefix, cols = _ragged_index(batch, req_rows, n_tok, width)
+            last_key = (prefix[:, None] + cols)[:, None, :, None]  # [n_reqs, 1, width, 1]
+        keys = pool.key_pos[:kv_len]
         causal = keys <= last_key
         windowed = {w: causal & (keys > last_key - w) for w in set(pool.windows) if w is not None}
-        tok_pos = batch.positions[:n_tok]
         return StepLayout(
             pool,
             n_reqs,
@@ -226,32 +235,49 @@ class StepLayout:
         values ``attn`` gets may be views of the cache itself (consecutive rows): it must not
         write them.
         """
-        kc, vc = self.pool.k[layer], self.pool.v[layer]
+        pool, n_reqs, width = self.pool, self.n_reqs, self.width
         # One flat index per token (rows x positions are contiguous in a layer's cache): an
         # index_copy_ instead of index_put_ with two index tensors.
-        kc.flatten(0, 1).index_copy_(0, self.tok_flat, k[0].transpose(0, 1).to(kc.dtype))
-        vc.flatten(0, 1).index_copy_(0, self.tok_flat, v[0].transpose(0, 1).to(vc.dtype))
+        kflat, vflat = pool.k_flat[layer], pool.v_flat[layer]
+        kflat.index_copy_(0, self.tok_flat, _packed(k, kflat.dtype))
+        vflat.index_copy_(0, self.tok_flat, _packed(v, vflat.dtype))
         # Only the first kv_len positions of each live row: [n_reqs, kv_heads, kv_len, head_dim].
         if self.row_span is not None:
-            lo, hi = self.row_span
-            keys = kc[lo:hi, : self.kv_len].transpose(1, 2)
-            values = vc[lo:hi, : self.kv_len].transpose(1, 2)
+            keys = _rows_view(pool.k, layer, self.row_span, self.kv_len)
+            values = _rows_view(pool.v, layer, self.row_span, self.kv_len)
         else:
-            keys = kc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
-            values = vc[:, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
+            keys = pool.k[layer, :, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
+            values = pool.v[layer, :, : self.kv_len].index_select(0, self.req_rows).transpose(1, 2)
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         n_heads, head_dim = q.shape[1], q.shape[3]
-        packed = q[0].transpose(0, 1)  # [n_tok, heads, head_dim]
-        if self.dense:  # padded row q * width + i is packed token q * width + i
-            padded = packed.contiguous()
+        if self.dense:  # padded row q * width + i is packed token q * width + i: a view
+            padded = q[0].unflatten(1, (n_reqs, width)).transpose(0, 1)
         else:
-            padded = q.new_zeros(self.n_reqs * self.width, n_heads, head_dim)
-            padded.index_copy_(0, self.pad_idx, packed)
-        padded = padded.view(self.n_reqs, self.width, n_heads, head_dim).transpose(1, 2)
-        window = self.pool.windows[layer]
+            flat = q.new_zeros(n_reqs * width, n_heads, head_dim)
+            flat.index_copy_(0, self.pad_idx, q[0].transpose(0, 1))
+            padded = flat.view(n_reqs, width, n_heads, head_dim).transpose(1, 2)
+        window = pool.windows[layer]
         mask = self.mask if window is None else self.windowed[window]
-        out = attn(padded, keys.to(q.dtype), values.to(q.dtype), mask)
-        out = out.reshape(self.n_reqs * self.width, n_heads, -1)
-        return (out if self.dense else out.index_select(0, self.pad_idx)).unsqueeze(0)
+        out = attn(padded, keys, values, mask)  # [n_reqs, width, heads, v_head_dim]
+        if self.dense:
+            return out.reshape(1, n_reqs * width, n_heads, -1)
+        return out.reshape(n_reqs * width, n_heads, -1).index_select(0, self.pad_idx).unsqueeze(0)
+
+
+def _packed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [1, heads, n_tok, head_dim]`` as ``[n_tok, heads, head_dim]`` (a view) in ``dtype``."""
+    x = x[0].transpose(0, 1)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _rows_view(cache: torch.Tensor, layer: int, span: tuple[int, int], kv_len: int) -> torch.Tensor:
+    """``cache[layer, lo:hi, :kv_len].transpose(1, 2)`` in one op: ``[hi - lo, heads, kv_len,
+    head_dim]``, a view of ``cache [n_layers, n_rows, max_len, heads, head_dim]`` (contiguous)."""
+    lo, hi = span
+    _, n_rows, max_len, heads, dim = cache.shape
+    row, pos = max_len * heads * dim, heads * dim
+    return cache.as_strided((hi - lo, heads, kv_len, dim), (row, dim, pos, 1), (layer * n_rows + lo) * row)
 
 
 # (batch, req_rows [n_reqs], n_tok, width) -> (tok_rows [n_tok], pad_idx [n_tok], prefix [n_reqs],
@@ -270,17 +296,6 @@ def _ragged_index(
     # Padding rows (offset >= seg_len) stand at the request's last token.
     cols = torch.minimum(torch.arange(width, device=dev)[None, :], (seg_lens - 1).clamp(min=0)[:, None])
     return req_rows.index_select(0, tok_req), tok_req * width + offset, prefix, cols
-
-
-def _dense_index(
-    batch: ForwardBatch, req_rows: torch.Tensor, n_tok: int, width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_ragged_index` when every request runs ``width`` tokens (decode steps): token ``t``
-    is request ``t // width`` at offset ``t % width``, and no column is padding."""
-    dev = req_rows.device
-    tok_rows = req_rows if width == 1 else req_rows.repeat_interleave(width, output_size=n_tok)
-    prefix = batch.seq_lens[: req_rows.numel()] - width
-    return tok_rows, torch.arange(n_tok, device=dev), prefix, torch.arange(width, device=dev)[None, :]
 
 
 def _as_mask(visible: torch.Tensor, additive: torch.dtype | None) -> torch.Tensor:
