@@ -126,6 +126,21 @@ def test_a_windowed_layer_sees_its_last_window_keys_only():
     ]
 
 
+def test_an_sdpa_step_attends_with_a_float_mask_that_rounds_as_the_bool_one():
+    """What the adapter builds for SDPA: 0 where visible, -inf elsewhere, the mask SDPA itself
+    makes from a bool one in every call; built once per step, the attention is bit for bit the same."""
+    kv = pool(3)
+    forward(kv, step([0, 0, 0], [2, 1, 1], [4, 5, 6]))
+    batch = step([2, 1, 1], [1, 2, 1], [4, 5, 6])  # ragged: padding rows too
+    boolean = StepLayout.build(kv, batch)
+    floats = StepLayout.build(kv, batch, additive=torch.float32, fill=float("-inf"))
+    assert torch.equal(floats.mask, torch.zeros(boolean.mask.shape).masked_fill(~boolean.mask, float("-inf")))
+    n_tok = batch.host.n_tokens
+    q = torch.randn(1, HEADS, n_tok, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    k = torch.randn(1, HEADS, n_tok, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(boolean.attend(0, q, k, k, attn), floats.attend(0, q, k, k, attn))
+
+
 def test_window_and_value_shape_arguments():
     cpu = torch.device("cpu")
     kv = KVPool(3, 1, 8, 2, 6, dtype=torch.float32, device=cpu, value_shape=(2, 4), windows=[8, 2, None])

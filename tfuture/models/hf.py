@@ -319,9 +319,10 @@ class HFCausalLM:
         n_tok = batch.host.n_tokens
         if n_tok == 0:
             return torch.zeros(0, self.vocab, device=batch.input_ids.device)
-        # Eager attention adds its mask to the scores: an additive float mask.
-        additive = self.pool.k.dtype if self.inner == "eager" else None
-        layout = StepLayout.build(self.pool, batch, additive=additive)
+        # Eager attention adds its mask to the scores: an additive float mask. SDPA makes one
+        # with -inf from a bool mask in every call: built once here instead, rounding the same.
+        fill = None if self.inner == "eager" else float("-inf")
+        layout = StepLayout.build(self.pool, batch, additive=self.pool.k.dtype, fill=fill)
         with torch.no_grad():
             out = self.model(
                 input_ids=batch.input_ids[None, :n_tok],

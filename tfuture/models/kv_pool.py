@@ -148,8 +148,10 @@ class StepLayout:
     ``tok_pos[t]``. ``mask [n_reqs, 1, width, kv_len]``: padded row ``(q, i)`` sees keys
     ``<= prefix[q] + i`` (padding rows see what the request's last token sees, so no softmax
     is empty); ``windowed[w]`` the same within window ``w`` (one per window of the pool's
-    layers). Bool masks, or additive ones (0 or the dtype's minimum) when built with
-    ``additive=dtype`` (eager attention adds its mask to the scores). ``tok_flat [n_tok]``:
+    layers). Bool masks, or additive ones (0, else ``fill``: the dtype's minimum by default) when
+    built with ``additive=dtype`` (eager attention adds its mask to the scores; SDPA turns a bool
+    mask into one with ``-inf`` in every call, so a step built with ``fill=-inf`` saves that
+    conversion per layer and rounds the same). ``tok_flat [n_tok]``:
     ``tok_rows * max_len + tok_pos``, the token's place in a layer's cache flattened over rows
     and positions (one index for the cache write). ``dense``: every request runs ``width``
     tokens (decode steps), so the padded rows are the packed ones in order and the attention
@@ -175,7 +177,9 @@ class StepLayout:
     row_span: tuple[int, int] | None
 
     @staticmethod
-    def build(pool: KVPool, batch: ForwardBatch, *, additive: torch.dtype | None = None) -> StepLayout:
+    def build(
+        pool: KVPool, batch: ForwardBatch, *, additive: torch.dtype | None = None, fill: float | None = None
+    ) -> StepLayout:
         """The layout of ``batch``'s real rows and requests (padding of bucketed steps dropped)."""
         host = batch.host
         if host is None or batch.seg_starts is None:
@@ -219,8 +223,8 @@ class StepLayout:
             tok_rows,
             tok_pos,
             pad_idx,
-            _as_mask(causal, additive),
-            {w: _as_mask(m, additive) for w, m in windowed.items()},
+            _as_mask(causal, additive, fill),
+            {w: _as_mask(m, additive, fill) for w, m in windowed.items()},
             tok_rows * pool.max_len + tok_pos,
             dense,
             (first, first + n_reqs) if consecutive else None,
@@ -298,9 +302,10 @@ def _ragged_index(
     return req_rows.index_select(0, tok_req), tok_req * width + offset, prefix, cols
 
 
-def _as_mask(visible: torch.Tensor, additive: torch.dtype | None) -> torch.Tensor:
-    """``visible`` (bool), or as an additive mask of dtype ``additive``: 0 where visible, else its minimum."""
+def _as_mask(visible: torch.Tensor, additive: torch.dtype | None, fill: float | None) -> torch.Tensor:
+    """``visible`` (bool), or as an additive mask of dtype ``additive``: 0 where visible, else
+    ``fill`` (default: the dtype's minimum)."""
     if additive is None:
         return visible
     zeros = torch.zeros(visible.shape, dtype=additive, device=visible.device)
-    return zeros.masked_fill_(~visible, torch.finfo(additive).min)
+    return zeros.masked_fill_(~visible, torch.finfo(additive).min if fill is None else fill)
