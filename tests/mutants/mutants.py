@@ -38,6 +38,7 @@ SPEC_GRAMMAR = ("tests/spec/test_spec_grammar.py",)
 MULTISTEP = ("tests/spec/test_multistep.py",)
 OMP_TEAM = ("tests/runtime/test_omp_team.py",)
 SPEC_WINDOWS = ("tests/spec/test_spec_windows.py",)
+WINDOWS_DIST = "tests/distributed/test_multistep_multiprocess.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- kernels: numpy path (cpu.py)
@@ -544,6 +545,14 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ---------------------------------------------------------------- models: the KV pool
     Mutant(
+        "hf-probe-cache-ignores-modules",
+        "tfuture/models/hf.py",
+        'tuple((id(m), type(m), id(m.__dict__.get("forward"))) for m in model.modules()),',
+        "(),",
+        ("tests/models/test_hf_probe_cache.py",),
+        "a model whose layers were swapped or patched since its probe is not probed again",
+    ),
+    Mutant(
         "kv-max-len-boundary",
         "tfuture/models/kv_pool.py",
         "if kv_len > pool.max_len:",
@@ -981,10 +990,34 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "multistep-later-step-position",
         "tfuture/spec/multistep.py",
-        "ForwardBatch(rec.step, ids, pos[j], rows, req_ids, pos[j + 1],",
-        "ForwardBatch(rec.step, ids, pos[j - 1], rows, req_ids, pos[j],",
+        "            win.pos[j],\n            rows,\n            win.req_ids,\n            win.pos[j + 1],\n",
+        "            win.pos[j - 1],\n            rows,\n            win.req_ids,\n            win.pos[j],\n",
         MULTISTEP,
         "a window's later steps feed each token at the previous position (its KV overwrites the last)",
+    ),
+    Mutant(
+        "dist-window-later-tokens-not-broadcast",
+        "tfuture/distributed/window_step.py",
+        "                tok = self._share(mine, n)\n",
+        "                tok = mine if mine is not None else torch.zeros(n, dtype=torch.int64)\n",
+        (WINDOWS_DIST + "test_windows_equal_plain_single_rank",),
+        "a window's later tokens stay on tensor rank 0: the other ranks feed and store zeros",
+    ),
+    Mutant(
+        "dist-window-stores-its-first-token",
+        "tfuture/distributed/window_step.py",
+        "payload.view(-1, k)[:, -1]",
+        "payload.view(-1, k)[:, 0]",
+        (WINDOWS_DIST + "test_windows_equal_plain_single_rank",),
+        "every rank stores each request's first token of the window: the next window feeds it",
+    ),
+    Mutant(
+        "dist-window-first-stage-feeds-stale-tokens",
+        "tfuture/distributed/window_step.py",
+        "            batch = self.later_batch(rec, win, j, tok)\n",
+        "            batch = self.later_batch(rec, win, j, tok if last else win.first)\n",
+        (WINDOWS_DIST + "test_windows_equal_plain_single_rank",),
+        "under PP the first stage feeds every later step of a window the window's first tokens",
     ),
     Mutant(
         "omp-host-pool-kept",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,6 +222,32 @@ def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
     return shapes
 
 
+# Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
+# same modules, attention and windows skips the probe, a whole forward (~30 ms at 80M parameters).
+_PROBED: weakref.WeakKeyDictionary[Any, tuple[tuple[object, ...], _Shapes]] = weakref.WeakKeyDictionary()
+_PROBED_LOCK = threading.Lock()
+
+
+def _probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> _Shapes:
+    """:func:`_probe`, or its result for this model when nothing it depends on changed since: the
+    same attention, ``max_len`` and windows, and the same module objects with the same classes
+    and ``forward`` overrides (a layer swapped or patched is probed again). Refusals are not kept."""
+    key = (
+        inner,
+        max_len,
+        windows,
+        tuple((id(m), type(m), id(m.__dict__.get("forward"))) for m in model.modules()),
+    )
+    with _PROBED_LOCK:
+        seen = _PROBED.get(model)
+    if seen is not None and seen[0] == key:
+        return seen[1]
+    shapes = _probe(model, inner, max_len, windows)
+    with _PROBED_LOCK:
+        _PROBED[model] = (key, shapes)
+    return shapes
+
+
 class HFCausalLM:
     """A :class:`tfuture.core.batch.Model` over a Hugging Face causal LM with a pooled KV cache.
 
@@ -241,6 +268,8 @@ class HFCausalLM:
 
     Construction runs a one-token probe forward and refuses (``TypeError``) architectures the
     pooled attention cannot serve (see the module docstring); the model is left unchanged then.
+    Wrapping the same model again skips the probe while its modules, attention implementation,
+    ``max_len`` and windows are the ones probed.
 
     One run at a time: the first ``forward`` (or ``release``) of a run claims the adapter for
     that run's host thread and ``close()`` (called by the runtime when the run ends or fails)
@@ -274,7 +303,7 @@ class HFCausalLM:
         training = model.training
         model.eval()
         try:
-            shapes = _probe(model, inner, max_len, windows)
+            shapes = _probed(model, inner, max_len, windows)
         except BaseException:
             _set_attention(model, impl)  # refused: the model is left as it was
             model.train(training)

@@ -1,0 +1,93 @@
+"""The construction probe runs once per model: wrapping the same model again (every
+``tfuture.generate`` call wraps it) reuses its result while nothing the probe looked at changed,
+and probes again when a layer is swapped or patched, the attention or ``max_len`` changes, or
+the last probe refused."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tfuture import FutureMap
+from tfuture.examples.hf import build_llama
+from tfuture.models import HFCausalLM
+from tfuture.models import hf as hf_module
+from tfuture.runtime import OverlapRuntime
+from tfuture.testing import ContinuousBatcher, RequestSpec
+
+PROMPT = np.arange(1, 7)
+
+
+class _Forwards:
+    """Counts the model's forwards (the probe is one)."""
+
+    def __init__(self, model: Any) -> None:
+        self.n = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_: Any) -> None:
+        self.n += 1
+
+
+def _tokens(adapter: HFCausalLM, n: int = 4) -> list[int]:
+    fmap = FutureMap(16, device="cpu")
+    sched = ContinuousBatcher([RequestSpec(0, 0, PROMPT, n)], fmap, eos=-1, max_running=2)
+    with torch.inference_mode():
+        OverlapRuntime(adapter, fmap).run(sched)
+    return sched.outputs[0]
+
+
+def test_wrapping_the_same_model_again_skips_the_probe_and_decodes_the_same():
+    model = build_llama()
+    forwards = _Forwards(model)
+    first = HFCausalLM(model, max_requests=2, max_len=16)
+    assert forwards.n == 1
+    want = _tokens(first)
+    forwards.n = 0
+    again = HFCausalLM(model, max_requests=2, max_len=16)
+    assert forwards.n == 0
+    assert again.pool.k.shape == first.pool.k.shape and again.pool.v.shape == first.pool.v.shape
+    assert _tokens(again) == want
+
+
+def test_a_swapped_or_patched_layer_another_max_len_or_attention_is_probed_again():
+    model = build_llama()
+    forwards = _Forwards(model)
+    HFCausalLM(model, max_requests=2, max_len=16)
+    HFCausalLM(model, max_requests=2, max_len=24)  # windows bind against max_len
+    assert forwards.n == 2
+    layers = model.model.layers
+    layers[1] = copy.deepcopy(layers[1])
+    HFCausalLM(model, max_requests=2, max_len=24)
+    assert forwards.n == 3
+    attn = layers[0].self_attn
+    attn.forward = attn.forward  # an instance override, as a monkeypatch leaves it
+    HFCausalLM(model, max_requests=2, max_len=24)
+    assert forwards.n == 4
+    HFCausalLM(model, max_requests=2, max_len=24)
+    assert forwards.n == 4
+    other = build_llama(attn="eager")
+    counted = _Forwards(other)
+    HFCausalLM(other, max_requests=2, max_len=24)
+    HFCausalLM(other, max_requests=2, max_len=24)
+    assert counted.n == 1
+
+
+def test_a_refusal_is_not_kept():
+    model = build_llama()
+    refused = TypeError("LlamaForCausalLM: planted refusal")
+    with (
+        mock.patch.object(hf_module, "_probe", side_effect=refused),
+        pytest.raises(TypeError, match="planted refusal"),
+    ):
+        HFCausalLM(model, max_requests=2, max_len=16)
+    forwards = _Forwards(model)
+    HFCausalLM(model, max_requests=2, max_len=16)
+    assert forwards.n == 1
