@@ -11,7 +11,10 @@ Every rank runs the same scheduler and the one overlap loop with its own ``Futur
   down (:mod:`tfuture.distributed.failure`); debug mode checks that all ranks agree;
 * speculative decoding: ``ParallelRuntime(..., speculative=drafter)``: the sampling rank
   verifies and drafts, and every rank stores its tokens, drafts and accepted lengths
-  (:mod:`tfuture.distributed.spec_step`).
+  (:mod:`tfuture.distributed.spec_step`);
+* multi-step windows: ``ParallelRuntime(..., windows=True)``: every rank runs each later step of
+  a window, the sampling rank's tokens broadcast (and, under PP, sent back to the first stage)
+  before the next one (:mod:`tfuture.distributed.window_step`).
 """
 
 from tfuture.distributed.checks import RankDivergence
@@ -21,6 +24,7 @@ from tfuture.distributed.micro import MicroBatch, MicroBatchScheduler, MicroResu
 from tfuture.distributed.runtime import ParallelRuntime
 from tfuture.distributed.spec_step import ParallelSpecStep
 from tfuture.distributed.step import ParallelStep, StageModel
+from tfuture.distributed.window_step import ParallelWindowStep
 
 __all__ = [
     "MicroBatch",
@@ -30,6 +34,7 @@ __all__ = [
     "ParallelRuntime",
     "ParallelSpecStep",
     "ParallelStep",
+    "ParallelWindowStep",
     "RankDivergence",
     "RankFailure",
     "StageModel",

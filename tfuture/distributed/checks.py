@@ -82,6 +82,16 @@ def tokens_digest(tokens: torch.Tensor) -> torch.Tensor:
     return ((t * w) % _P).sum().remainder(_P).reshape(1) + t.numel() * _P
 
 
+def diverging_ranks(ctx: ParallelContext, tokens: torch.Tensor) -> list[int]:
+    """Forward stream, debug: the ranks whose ``tokens`` (int64) digest differs from rank 0's,
+    gathered over ``check_group`` (a host sync)."""
+    mine = tokens_digest(tokens)
+    got = [torch.zeros_like(mine) for _ in range(ctx.world)]
+    dist.all_gather(got, mine, group=ctx.check_group)
+    values = torch.cat(got).tolist()
+    return [r for r, v in enumerate(values) if v != values[0]]
+
+
 def check_stored_tokens(ctx: ParallelContext, step: int, token_map: torch.Tensor, slots: np.ndarray) -> None:
     """Forward stream, debug: the tokens just stored into ``slots`` are the same on every rank.
 
@@ -89,11 +99,7 @@ def check_stored_tokens(ctx: ParallelContext, step: int, token_map: torch.Tensor
     gathers a digest over ``check_group``; a host sync, as every debug check is.
     """
     idx = torch.from_numpy(np.array(slots, dtype=np.int64)).to(token_map.device)
-    mine = tokens_digest(token_map.index_select(0, idx))
-    got = [torch.zeros_like(mine) for _ in range(ctx.world)]
-    dist.all_gather(got, mine, group=ctx.check_group)
-    values = torch.cat(got).tolist()
-    bad = [r for r, v in enumerate(values) if v != values[0]]
+    bad = diverging_ranks(ctx, token_map.index_select(0, idx))
     if bad:
         raise RankDivergence(
             f"the FutureMaps diverged at step {step}: the digest of the {slots.size} tokens stored into "

@@ -14,6 +14,7 @@ from tfuture.distributed.failure import FailureWatcher, fail_run, finish_run
 from tfuture.distributed.micro import MicroBatchScheduler
 from tfuture.distributed.spec_step import ParallelSpecStep
 from tfuture.distributed.step import ParallelStep, StageModel
+from tfuture.distributed.window_step import ParallelWindowStep
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.spec.drafter import Drafter
@@ -41,6 +42,16 @@ class ParallelRuntime:
     :class:`tfuture.spec.DraftBatch` objects (``ContinuousBatcher(speculative=k)``), every rank
     passes a drafter with the same ``k`` and the last stage's tensor rank 0 verifies and drafts.
     It takes no ``buckets``.
+
+    ``windows``: run multi-step decode windows
+    (:class:`tfuture.distributed.window_step.ParallelWindowStep`): the schedulers may be
+    ``ContinuousBatcher(multi_step=K)``, whose ``DraftBatch.n_steps = K`` batches run ``K``
+    decode steps per launch (the last stage's tensor rank 0 samples each, and broadcasts them
+    before the next step's forward). Explicit, as ``Engine(multi_step=K)`` is: without it
+    :meth:`run` refuses a scheduler with ``multi_step > 1`` before any step. Every rank samples
+    with a Sampler (``sampler``, or a default one), never the model's ``sample``. Under pipeline
+    parallelism each later step of a window is a full traversal of the stages in lockstep (the
+    window holds the pipeline). No ``buckets`` and no ``speculative`` with it.
     """
 
     def __init__(
@@ -58,6 +69,7 @@ class ParallelRuntime:
         buckets: Buckets | None = None,
         sampler: Sampler | None = None,
         speculative: Drafter | None = None,
+        windows: bool = False,
     ) -> None:
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
@@ -65,8 +77,16 @@ class ParallelRuntime:
             raise TypeError(f"fmap must be a FutureMap, got {type(fmap).__name__}")
         self.ctx, self.fmap, self.overlap = ctx, fmap, bool(overlap)
         self.check = fmap.debug if check is None else bool(check)
+        if not isinstance(windows, bool):
+            raise TypeError(f"windows must be a bool, got {type(windows).__name__}")
+        if windows and (speculative is not None or buckets is not None):
+            what = "speculative=" if speculative is not None else "buckets="
+            raise ValueError(f"multi-step windows (windows=True) take no {what} (not supported yet)")
+        self.windows = windows
         self.kind: ParallelStep
-        if speculative is None:
+        if windows:
+            self.kind = ParallelWindowStep(model, ctx, check=self.check, sampler=sampler)
+        elif speculative is None:
             self.kind = ParallelStep(model, ctx, check=self.check, buckets=buckets, sampler=sampler)
         elif buckets is not None:
             raise ValueError(
@@ -106,6 +126,7 @@ class ParallelRuntime:
             missing = [m for m in ("schedule", "process", "build_mask") if not callable(getattr(g, m, None))]
             if missing:
                 raise TypeError(f"scheduler {i} ({type(g).__name__}) lacks {', '.join(missing)}")
+        window = max(_multi_step(i, g) for i, g in enumerate(groups))
         fmap = self.fmap
         config = {
             "map capacity": fmap.capacity,
@@ -115,8 +136,21 @@ class ParallelRuntime:
             "scheduler groups": len(groups),
             "max_steps": max_steps,
             "drafts per step (k)": getattr(self.kind, "k", 0),
+            "multi-step window (K)": window,
+            "windows": self.windows,
         }
         agree(ctx, config, "before the run: ")
+        if window > 1 and isinstance(self.kind, ParallelSpecStep):
+            raise ValueError(
+                f"the schedulers run multi-step windows (multi_step={window}) and this run is speculative: "
+                "speculative steps and windows together are not supported under tfuture.distributed yet "
+                "(use multi_step=1, or windows=True without speculative=)"
+            )
+        if window > 1 and not self.windows:
+            raise ValueError(
+                f"the schedulers run multi-step windows (multi_step={window}) and this runtime runs one "
+                "decode step per launch: build ParallelRuntime(..., windows=True)"
+            )
         key = ctx.next_run()
         self.kind.reset()
         self.scheduler = MicroBatchScheduler(groups, self.kind, max_steps)
@@ -135,3 +169,11 @@ class ParallelRuntime:
             raise err from exc
         finish_run(ctx, key)
         return stats
+
+
+def _multi_step(i: int, scheduler: Any) -> int:
+    """Scheduler ``i``'s window length (``multi_step``, 1 when it has none), checked."""
+    k = getattr(scheduler, "multi_step", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise TypeError(f"scheduler {i}'s multi_step must be an int >= 1, got {k!r}")
+    return k

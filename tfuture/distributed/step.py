@@ -218,18 +218,11 @@ class ParallelStep(TokenStep):
         ctx, state, fmap = self.ctx, rec.state, self.fmap
         assert fmap is not None
         self.take_mask(rec, mask)  # every rank checks it: a bad mask fails on every rank
-        ops: list[Op] = []
-        if ctx.is_last_stage and state.n_sample:
-            if self.samples:
-                ops += self.sample_here_ops(rec)
-            if ctx.tp > 1:
-                ops.append(("broadcast", lambda: self._broadcast(state)))
-            if ctx.pp > 1:
-                ops.append(("send_tokens", lambda: self._send_tokens(rec.step, state)))
+        ops = self.produce_ops(rec) if state.n_sample else []
         done = state.delivers
         if done is None or done.n_sample == 0:
             return ops
-        if ctx.is_last_stage:
+        if self.holds_payload(done):
 
             def take() -> None:
                 state.delivered, done.sampled = done.sampled, None
@@ -253,9 +246,28 @@ class ParallelStep(TokenStep):
     # What a variant of the step (the speculative one) changes: what the sampling rank computes,
     # the int64 payload every rank gets from it, and what a rank stores from a delivered payload.
 
+    def produce_ops(self, rec: InFlight) -> list[Op]:
+        """This stage's ops that make a micro-batch's payload (``n_sample > 0``): the last
+        stage's leave it in ``state.sampled`` on each of its tensor ranks and send it to the
+        earlier stages; an earlier stage has none (it receives the payload on delivery)."""
+        ctx, state = self.ctx, rec.state
+        if not ctx.is_last_stage:
+            return []
+        ops = self.sample_here_ops(rec) if self.samples else []
+        if ctx.tp > 1:
+            ops.append(("broadcast", lambda: self._broadcast(state)))
+        if ctx.pp > 1:
+            ops.append(("send_tokens", lambda: self._send_tokens(rec.step, state)))
+        return ops
+
     def sample_here_ops(self, rec: InFlight) -> list[Op]:
         """The ops of the last stage's tensor rank 0, leaving the payload in ``state.sampled``."""
         return [("sample", lambda: self._sample_here(rec))]
+
+    def holds_payload(self, done: MicroState) -> bool:
+        """Whether this rank holds ``done``'s payload in ``done.sampled`` when a step delivers
+        it (the last stage), rather than receiving it from the last stage then."""
+        return self.ctx.is_last_stage
 
     def payload_size(self, state: MicroState) -> int:
         """The int64 words a micro-batch's payload takes (its tokens)."""

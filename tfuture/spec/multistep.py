@@ -38,7 +38,7 @@ from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.token import TokenStep
 from tfuture.steps.token_state import TokenInputs, TokenState
 
-__all__ = ["MultiStepTokenStep"]
+__all__ = ["LaterSteps", "MultiStepTokenStep", "WindowState"]
 
 _NONE = np.empty(0, dtype=np.int64)
 
@@ -50,6 +50,23 @@ _NONE = np.empty(0, dtype=np.int64)
 WindowInputs = NamedTuple(  # type: ignore[misc]  # the field list is TokenInputs' plus ours
     "WindowInputs", [(name, Any) for name in (*TokenInputs._fields, "params", "penalties", "hist_req")]
 )
+
+
+class LaterSteps(NamedTuple):
+    """What a window's later steps share on the device: ``first`` (``[n]`` int64, the first
+    step's tokens), ``rows`` (``arange(n)``), ``starts`` (``arange(n + 1)``), ``req_ids [n]``,
+    ``pos [k + 1, n]`` (each request's last input position, then one more per later step) and
+    ``params`` (the sampled rows' float parameters ``[3, n]``, top-k and seeds, or None);
+    ``none``/``off`` (``[n]`` zeros, int64 and bool: no drafts, for ``verify_rows``)."""
+
+    first: torch.Tensor
+    rows: torch.Tensor
+    starts: torch.Tensor
+    req_ids: torch.Tensor
+    pos: torch.Tensor
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    none: torch.Tensor
+    off: torch.Tensor
 
 
 class WindowState(TokenState):
@@ -124,47 +141,95 @@ class MultiStepTokenStep(TokenStep):
     def _decode(self, rec: InFlight) -> None:
         """The window's later steps: each request's last token in, the next one out."""
         state: WindowState = rec.state
-        fwd, n, k = state.fwd, state.n_sample, state.n_steps
-        assert fwd is not None and state.sampled is not None
-        first = state.sampled.to(torch.int64)
-        dev = first.device
-        rows = torch.arange(n, dtype=torch.int64, device=dev)
-        starts = torch.arange(n + 1, dtype=torch.int64, device=dev)
-        req_ids = fwd.req_ids.index_select(0, fwd.sample_reqs)
-        # Each request's last input position, then one more per later step: [k + 1, n].
-        pos = fwd.positions.index_select(0, fwd.sample_rows) + torch.arange(k + 1, device=dev).unsqueeze(1)
-        extra, sampler = state.extra, self.sampler
-        dev_params = None
-        if state.rp is not None:
-            words = extra.params
-            dev_params = (words[: 3 * n].view(torch.float64).view(3, n), words[3 * n : 4 * n], words[4 * n :])
-        none, off = rows.new_zeros(n), rows.new_zeros(n, dtype=torch.bool)
-        tokens, tok = [first], first
-        for j, host in enumerate(state.later, start=1):
-            # A row with no valid token (all NaN or -inf: -1) feeds 0; the host raises on its -1.
-            ids = tok.clamp_min(0).to(fwd.input_ids.dtype)
-            step = ForwardBatch(rec.step, ids, pos[j], rows, req_ids, pos[j + 1], rows, rows, starts, host)
-            logits = self.model.forward(step)
-            if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
-                got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-                raise ValueError(
-                    f"forward of step {rec.step} (decode {j + 1} of {k}) must return "
-                    f"[{n}, vocab] logits, got {got}"
-                )
-            if state.pen is None and dev_params is None:
-                tok = greedy_tokens(logits)  # greedy without penalties: the argmax
-            else:
-                if state.pen is not None:
-                    assert sampler is not None
-                    logits = penalise_rows(logits, sampler.history, state.pen, extra.penalties, ids)
-                rp = state.rp if state.rp is not None else _GREEDY
-                w = verify_rows(logits, none, off, rows, n, 1, rp, dev_params, pos[j + 1])
-                if state.pen is not None:
-                    assert sampler is not None
-                    record_committed(sampler.history, extra.hist_req, w.committed, w.n_commit)
-                tok = w.last
+        assert state.sampled is not None
+        win = self.later_setup(rec, state.sampled)
+        tokens, tok = [win.first], win.first
+        for j in range(1, state.n_steps):
+            step = self.later_batch(rec, win, j, tok)
+            logits = self.later_logits(rec, j, self.model.forward(step))
+            tok = self.later_sample(rec, win, j, logits, step.input_ids)
             tokens.append(tok)
         state.tokens = torch.stack(tokens, 1)
+
+    # The pieces of a window's later steps, which a parallel rank runs with its own forward (a
+    # pipeline stage's) and only its sampling rank samples (tfuture.distributed.window_step).
+
+    def later_setup(self, rec: InFlight, first: torch.Tensor) -> LaterSteps:
+        """FORWARD STREAM: what the later steps of window ``rec`` share, from ``first``, the
+        window's first tokens (``[n_sample]`` int, -1 where a row got none)."""
+        state: WindowState = rec.state
+        fwd, n, k = state.fwd, state.n_sample, state.n_steps
+        assert fwd is not None
+        first = first.to(torch.int64)
+        dev = first.device
+        rows = torch.arange(n, dtype=torch.int64, device=dev)
+        # Each request's last input position, then one more per later step: [k + 1, n].
+        pos = fwd.positions.index_select(0, fwd.sample_rows) + torch.arange(k + 1, device=dev).unsqueeze(1)
+        params = None
+        if state.rp is not None:
+            words = state.extra.params
+            params = (words[: 3 * n].view(torch.float64).view(3, n), words[3 * n : 4 * n], words[4 * n :])
+        return LaterSteps(
+            first,
+            rows,
+            torch.arange(n + 1, dtype=torch.int64, device=dev),
+            fwd.req_ids.index_select(0, fwd.sample_reqs),
+            pos,
+            params,
+            rows.new_zeros(n),
+            rows.new_zeros(n, dtype=torch.bool),
+        )
+
+    def later_batch(self, rec: InFlight, win: LaterSteps, j: int, tok: torch.Tensor) -> ForwardBatch:
+        """FORWARD STREAM: the batch of later step ``j`` (1-based after the first), fed ``tok``
+        (``[n_sample]`` int64, the previous step's tokens) at the next position."""
+        state: WindowState = rec.state
+        assert state.fwd is not None
+        # A row with no valid token (all NaN or -inf: -1) feeds 0; the host raises on its -1.
+        ids = tok.clamp_min(0).to(state.fwd.input_ids.dtype)
+        rows = win.rows
+        return ForwardBatch(
+            rec.step,
+            ids,
+            win.pos[j],
+            rows,
+            win.req_ids,
+            win.pos[j + 1],
+            rows,
+            rows,
+            win.starts,
+            state.later[j - 1],
+        )
+
+    def later_logits(self, rec: InFlight, j: int, logits: Any) -> torch.Tensor:
+        """``logits`` of later step ``j``, checked: ``[n_sample, vocab]``, else a ValueError."""
+        n, k = rec.state.n_sample, rec.state.n_steps
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] != n:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(
+                f"forward of step {rec.step} (decode {j + 1} of {k}) must return "
+                f"[{n}, vocab] logits, got {got}"
+            )
+        return logits
+
+    def later_sample(
+        self, rec: InFlight, win: LaterSteps, j: int, logits: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """FORWARD STREAM: later step ``j``'s tokens ``[n_sample]`` (int64, -1 where a row has
+        none) from its ``logits`` and its input ``ids``, as the Sampler samples; the device
+        penalty history records them."""
+        state: WindowState = rec.state
+        if state.pen is None and win.params is None:
+            return greedy_tokens(logits)  # greedy without penalties: the argmax
+        sampler, n, rows = self.sampler, state.n_sample, win.rows
+        assert sampler is not None
+        if state.pen is not None:
+            logits = penalise_rows(logits, sampler.history, state.pen, state.extra.penalties, ids)
+        rp = state.rp if state.rp is not None else _GREEDY
+        w = verify_rows(logits, win.none, win.off, rows, n, 1, rp, win.params, win.pos[j + 1])
+        if state.pen is not None:
+            record_committed(sampler.history, state.extra.hist_req, w.committed, w.n_commit)
+        return w.last
 
     def _store_last(self, rec: InFlight) -> None:
         """FORWARD STREAM: each request's last token of the window into its fresh slot."""
