@@ -543,6 +543,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/sampling/test_sampling_penalties.py",),
         "seen marks made before the tables existed (the first step's prompt) are dropped",
     ),
+    Mutant(
+        "window-steps-count-past-finish",
+        "tfuture/scheduler/drafting.py",
+        "r.steps += 1 if steps == 1 else taken",
+        "r.steps += steps",
+        ("tests/spec/test_adversarial_windows.py",),
+        "a request's timings.steps counts a window's decode steps past its finish",
+    ),
     # ---------------------------------------------------------------- models: the KV pool
     Mutant(
         "hf-probe-cache-ignores-modules",

@@ -159,14 +159,20 @@ class DraftScheduling:
             r.sure_extra -= steps - 1
             if not self.speculative and r.pending is not None and r.pending[0] is result.batch:
                 r.pending = None  # a window's: its next one takes the last token from the host
-            if not r.finished:
-                r.steps += steps
+            live = not r.finished
+            if live:
                 r.drafted += v
                 r.accepted += toks.size - steps
                 self.drafted_tokens += v
                 self.accepted_tokens += toks.size - steps
+            taken = 0
             for tok in toks.tolist():
                 if r.finished:
                     self.extra_tokens += 1
                 else:
                     self._take(r, tok, result.step)
+                    taken += 1
+            if live:
+                # A speculative step is one model step; a window's steps count up to the finish
+                # (the ones past it gave this request nothing).
+                r.steps += 1 if steps == 1 else taken
