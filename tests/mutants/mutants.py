@@ -544,6 +544,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "seen marks made before the tables existed (the first step's prompt) are dropped",
     ),
     Mutant(
+        "engine-drafter-shared-by-open-engines",
+        "tfuture/engine/engine.py",
+        "if other is not None and other is not engine and other.drafter is drafter:",
+        "if False:",
+        ("tests/spec/test_spec_engine.py",),
+        "a drafter bound to an open engine is re-bound silently by a second engine",
+    ),
+    Mutant(
         "window-steps-count-past-finish",
         "tfuture/scheduler/drafting.py",
         "r.steps += 1 if steps == 1 else taken",

@@ -424,3 +424,22 @@ def test_a_decode_behind_a_prefill_chunk_keeps_its_drafts(model: Any) -> None:
 def test_a_token_budget_below_one_plus_k_is_refused(model: Any) -> None:
     with pytest.raises(ValueError, match=r"token_budget=4 cannot hold a speculative decode of 1 \+ 4 tokens"):
         make_engine(model, NGramDrafter(k=4), token_budget=4, chunk=2)
+
+
+def test_a_drafter_serves_one_open_engine_at_a_time(model: Any, looped: list[list[int]]) -> None:
+    """Binding sizes the drafter's rows and history to an engine's requests: a second engine
+    built with it while the first is open is refused (before, the first then failed at run time
+    with a misleading "KV pool full"); once the first closed, the drafter moves on."""
+    drafter = NGramDrafter(k=2)
+    params = greedy(6)
+    want = tokens(plain(model, looped, params))
+    first = make_engine(model, drafter)
+    with pytest.raises(ValueError, match="drafter of another Engine that is still open"):
+        make_engine(model, drafter, max_running=1)
+    assert tokens(first.generate(looped, params, progress=False)) == want
+    first.close()
+    with make_engine(model, drafter, max_running=1) as second:
+        assert tokens(second.generate(looped, params, progress=False)) == want
+    for _ in range(2):  # tfuture.generate closes its engine: the drafter is free again each call
+        out = tfuture.generate(model, looped, params, speculative=drafter, progress=False)
+        assert tokens(out) == want

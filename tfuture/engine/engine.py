@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -109,6 +110,8 @@ class Engine:
             a step (greedy output equal to plain decoding; sampled output following the model's
             distribution exactly; penalties too). A structured-output request's drafts are
             checked by its grammar's masks, one per draft. None (the default): plain decoding.
+            A drafter serves one engine at a time: another engine built with it while this one
+            is open raises ``ValueError``.
         multi_step: decode steps per window (``K``; 1, the default: one per step). A window
             is one schedule, one launch and one result for ``K`` tokens per request, each step's
             input the previous one's output on the device (:class:`tfuture.spec.MultiStepTokenStep`):
@@ -180,6 +183,7 @@ class Engine:
                 )
             else:
                 assert self.max_len is not None
+                _claim_drafter(self.drafter, self)
                 kind, draft_back = spec_step(
                     self.model, self.drafter, self.sampler, max_running, self.max_len + extra, multi_step > 1
                 )
@@ -418,6 +422,30 @@ class Engine:
         self.scheduler.end_run()
         self.last_stats = stats
         return stats
+
+
+# The engine each drafter is bound to (by the drafter's id; the entry is checked by identity).
+_DRAFTER_OWNERS: dict[int, weakref.ref[Engine]] = {}
+_DRAFTER_LOCK = threading.Lock()
+
+
+def _claim_drafter(drafter: Any, engine: Engine) -> None:
+    """Bind ``drafter`` to ``engine``, or raise ``ValueError`` while another engine that holds
+    it is open or still running: binding re-sizes the drafter's rows and history, under that
+    engine's requests."""
+    with _DRAFTER_LOCK:
+        for key in [k for k, ref in _DRAFTER_OWNERS.items() if ref() is None]:
+            del _DRAFTER_OWNERS[key]
+        ref = _DRAFTER_OWNERS.get(id(drafter))
+        other = None if ref is None else ref()
+        if other is not None and other is not engine and other.drafter is drafter:
+            if not getattr(other, "_closed", True) or getattr(other, "_driver", None) is not None:
+                raise ValueError(
+                    f"this {type(drafter).__name__} is the drafter of another Engine that is still open: "
+                    "a drafter serves one engine at a time (its rows and history are bound to that "
+                    "engine's requests); close that engine first, or give each engine its own drafter"
+                )
+        _DRAFTER_OWNERS[id(drafter)] = weakref.ref(engine)
 
 
 def _chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
