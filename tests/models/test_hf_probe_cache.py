@@ -26,14 +26,31 @@ PROMPT = np.arange(1, 7)
 
 
 class _Forwards:
-    """Counts the model's forwards (the probe is one)."""
+    """Counts the probes of ``model`` (a probe is one forward, and two more that compare the
+    direct forward with the modules')."""
 
     def __init__(self, model: Any) -> None:
         self.n = 0
-        model.register_forward_pre_hook(self._hook)
+        self.model = model
+        real = hf_module._probe
 
-    def _hook(self, *_: Any) -> None:
-        self.n += 1
+        def counted(m: Any, *args: Any) -> Any:
+            self.n += m is self.model
+            return real(m, *args)
+
+        patcher = mock.patch.object(hf_module, "_probe", side_effect=counted)
+        patcher.start()
+        _PATCHES.append(patcher)
+
+
+_PATCHES: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_patches() -> Any:
+    yield
+    while _PATCHES:
+        _PATCHES.pop().stop()
 
 
 def _tokens(adapter: HFCausalLM, n: int = 4) -> list[int]:

@@ -24,6 +24,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_hf import VOCAB, tiny  # noqa: E402
+
 from tfuture import FutureMap  # noqa: E402
 from tfuture.core.batch import Batch  # noqa: E402
 from tfuture.examples.hf import build_llama  # noqa: E402
@@ -32,29 +34,6 @@ from tfuture.runtime import OverlapRuntime  # noqa: E402
 from tfuture.testing import ContinuousBatcher, RequestSpec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-VOCAB = 64
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
-
-def tiny(config: str, **kw: Any) -> Any:
-    """A random-weight 2-layer model of ``transformers.<config>`` (skipped if not installed)."""
-    cls = getattr(transformers, config, None)
-    if cls is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {config}")
-    torch.manual_seed(0)
-    cfg = cls(**{**TINY, **kw})
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
 def generate(model: Any, prompt: np.ndarray, n: int) -> list[int]:

@@ -18,25 +18,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_hf import TINY, VOCAB  # noqa: E402
+
 from tfuture import FutureMap  # noqa: E402
 from tfuture.core.batch import ForwardBatch  # noqa: E402
 from tfuture.models import HFCausalLM  # noqa: E402
 from tfuture.runtime import OverlapRuntime  # noqa: E402
 from tfuture.testing import ContinuousBatcher, RequestSpec, random_workload  # noqa: E402
 
-VOCAB, MAX_LEN, WINDOW = 64, 32, 5
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
+MAX_LEN, WINDOW = 32, 5
 DEEPSEEK = dict(
     num_key_value_heads=4,
     q_lora_rank=None,

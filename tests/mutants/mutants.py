@@ -561,6 +561,38 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # ---------------------------------------------------------------- models: the KV pool
     Mutant(
+        "hf-direct-ignores-hooks-and-swaps",
+        "tfuture/models/hf.py",
+        "if direct is not None and direct.intact():",
+        "if direct is not None:",
+        ("tests/models/test_hf_direct.py",),
+        "the direct forward keeps running after a forward hook was registered or a module swapped",
+    ),
+    Mutant(
+        "hf-direct-probe-trusts-any-logits",
+        "tfuture/models/hf.py",
+        "return got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)",
+        "return got.shape == want.shape and got.dtype == want.dtype",
+        ("tests/models/test_hf_direct.py",),
+        "the construction probe takes a direct forward whose logits differ from the modules'",
+    ),
+    Mutant(
+        "hf-direct-drops-qk-norm",
+        "tfuture/models/hf_direct.py",
+        "q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)",
+        "pass",
+        ("tests/models/test_hf_direct.py",),
+        "Qwen3's per-head query and key norms are skipped by the direct forward",
+    ),
+    Mutant(
+        "hf-direct-window-unchecked",
+        "tfuture/models/hf.py",
+        "_check_window(layout, layer, window_of(module))",
+        "pass",
+        ("tests/models/test_hf_direct.py",),
+        "a window changed after construction goes unnoticed by the direct forward",
+    ),
+    Mutant(
         "hf-probe-cache-ignores-modules",
         "tfuture/models/hf.py",
         'tuple((id(m), type(m), id(m.__dict__.get("forward"))) for m in model.modules()),',

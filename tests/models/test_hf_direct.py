@@ -1,0 +1,187 @@
+"""The direct forward (``tfuture.models.hf_direct``): Llama-structured models skip their module
+calls and give the module path's logits bit for bit, step by step, over mixed prefill and decode
+steps; anything it does not stand for (another architecture, a foreign or patched module, a
+forward hook or a module swapped after construction, a probe that disagrees) runs the modules."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_hf import TINY, VOCAB, tiny  # noqa: E402
+
+from tfuture import FutureMap  # noqa: E402
+from tfuture.core.batch import ForwardBatch  # noqa: E402
+from tfuture.models import HFCausalLM, hf_direct  # noqa: E402
+from tfuture.runtime import OverlapRuntime  # noqa: E402
+from tfuture.testing import ContinuousBatcher, random_workload  # noqa: E402
+
+ROWS, MAX_LEN = 3, 40
+# name: (config class, its kwargs, attention implementation)
+CASES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "llama": ("LlamaConfig", {}, "sdpa"),
+    "llama-eager": ("LlamaConfig", {}, "eager"),
+    # Biases everywhere, a head size of its own, llama3 rope scaling, tied embeddings, gelu.
+    "llama-variant": (
+        "LlamaConfig",
+        dict(
+            attention_bias=True,
+            mlp_bias=True,
+            head_dim=16,
+            tie_word_embeddings=True,
+            hidden_act="gelu",
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+        "sdpa",
+    ),
+    "mistral-window": ("MistralConfig", dict(sliding_window=5), "sdpa"),
+    "qwen2": ("Qwen2Config", {}, "sdpa"),
+    "qwen3-mixed": (
+        "Qwen3Config",
+        dict(
+            head_dim=8,
+            use_sliding_window=True,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "eager",
+    ),
+}
+
+
+DIRECT_CALLS = 1 + 2 * TINY["num_hidden_layers"]  # module calls of a direct step, at most
+
+
+class Recorded(HFCausalLM):
+    """Keeps every step's logits, and whether the step ran the direct forward."""
+
+    def __init__(self, model: Any, direct: bool = True) -> None:
+        super().__init__(model, max_requests=ROWS, max_len=MAX_LEN)
+        if not direct:
+            self._direct = None
+        self.logits: list[torch.Tensor] = []
+        self.module_calls: list[int] = []
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        calls = [0]
+        real = torch.nn.Module._call_impl
+
+        def counted(module: torch.nn.Module, *args: Any, **kw: Any) -> Any:
+            calls[0] += 1
+            return real(module, *args, **kw)
+
+        with mock.patch.object(torch.nn.Module, "_call_impl", counted):
+            out = super().forward(batch)
+        self.logits.append(out.clone())
+        self.module_calls.append(calls[0])
+        return out
+
+
+def run(adapter: HFCausalLM, seed: int = 0, overlap: bool = True) -> dict[int, list[int]]:
+    specs = random_workload(seed, 7, vocab=VOCAB, max_prompt=14, max_new=10, arrival_span=5)
+    fmap = FutureMap(32, device="cpu")
+    sched = ContinuousBatcher(specs, fmap, eos=-1, max_running=ROWS, chunk=5, token_budget=9)
+    with torch.inference_mode():
+        OverlapRuntime(adapter, fmap, overlap=overlap).run(sched)
+    return sched.outputs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_direct_forward_gives_the_module_paths_logits_bit_for_bit(case, one_torch_thread):
+    config, kw, attn = CASES[case]
+    model = tiny(config, attn, **kw)
+    direct, modules = Recorded(model), Recorded(model, direct=False)
+    assert direct._direct is not None, f"{case}: the direct forward should apply"
+    want = run(modules, overlap=False)
+    assert run(direct, overlap=False) == want
+    assert len(direct.logits) == len(modules.logits) > 10
+    for step, (a, b) in enumerate(zip(direct.logits, modules.logits, strict=True)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{case}: step {step} differs"
+    # The direct steps called the rotary embedding, and per layer its activation and (where
+    # transformers wraps it in a module) the rotary function, nothing else.
+    n_layers = model.config.num_hidden_layers
+    assert max(direct.module_calls) <= DIRECT_CALLS
+    assert min(modules.module_calls) > 5 * n_layers
+    assert run(direct) == want  # overlapped
+
+
+def test_a_hook_or_a_swap_after_construction_runs_the_modules(one_torch_thread):
+    model = tiny("LlamaConfig")
+    want = run(Recorded(model, direct=False))
+    adapter = Recorded(model)
+    seen: list[int] = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *_: seen.append(1))
+    assert run(adapter) == want and seen, "a forward hook must run"
+    handle.remove()
+    adapter.module_calls.clear()
+    assert run(adapter) == want and max(adapter.module_calls) <= DIRECT_CALLS
+    with torch.nn.modules.module.register_module_forward_hook(lambda *_: seen.append(2)):
+        assert run(adapter) == want and 2 in seen, "a global forward hook must run"
+    # A module swapped (a copy: same results, but the direct forward no longer holds it).
+    model.model.layers[0].mlp = copy.deepcopy(model.model.layers[0].mlp)
+    adapter.module_calls.clear()
+    assert run(adapter) == want and min(adapter.module_calls) > DIRECT_CALLS
+    # An instance forward (a monkeypatch) on a module that was not swapped.
+    adapter = Recorded(model)
+    assert adapter._direct is not None
+    norm = model.model.norm
+    norm.forward = norm.forward
+    adapter.module_calls.clear()
+    assert run(adapter) == want and min(adapter.module_calls) > DIRECT_CALLS
+    del norm.forward
+
+
+class _LoRALike(torch.nn.Linear):
+    """A Linear subclass (as adapters and quantizers install): the direct forward does not apply."""
+
+
+def test_models_the_direct_forward_does_not_stand_for_run_the_modules(one_torch_thread):
+    model = tiny("LlamaConfig")
+    want = run(Recorded(model, direct=False))
+    attn = model.model.layers[0].self_attn
+    old = attn.q_proj
+    attn.q_proj = _LoRALike(old.in_features, old.out_features, bias=False)
+    attn.q_proj.load_state_dict(old.state_dict())
+    assert HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)._direct is None
+    attn.q_proj = old
+    # Another architecture (Phi-3: fused projections).
+    assert HFCausalLM(tiny("Phi3Config"), max_requests=ROWS, max_len=MAX_LEN)._direct is None
+    # The probe compares logits bit for bit: a direct forward that rounds differently is not used.
+    fresh = tiny("LlamaConfig")
+    real = hf_direct._rms
+
+    def rounds_differently(norm: Any, x: torch.Tensor) -> torch.Tensor:
+        return real(norm, x) * (1 + 1e-6)
+
+    with mock.patch.object(hf_direct, "_rms", rounds_differently):
+        adapter = Recorded(fresh)
+        assert adapter._direct is None
+        assert run(adapter) == want
+
+
+def test_a_window_changed_after_construction_fails_the_direct_step(one_torch_thread):
+    model = tiny("MistralConfig", sliding_window=4)
+    adapter = Recorded(model)
+    assert adapter._direct is not None and adapter._direct.intact()
+    model.config.sliding_window = 6  # Mistral's attention reads it at each call
+    try:
+        with pytest.raises(
+            ValueError, match=r"layer 0 attends with sliding_window=6, the KV pool gives it a window"
+        ):
+            run(adapter)
+    finally:
+        model.config.sliding_window = 4
+    assert adapter._direct.intact()  # the step that raised ran the direct forward

@@ -1,0 +1,176 @@
+"""A direct forward for Llama-structured decoders: the modules' own ops, without their calls.
+
+A Hugging Face forward of a small model spends most of its time in Python: module calls,
+decorators, output recording, kwargs. :class:`DirectForward` runs the same tensor ops in the same
+order on the same tensors (so the logits are bit for bit the module path's) for the
+architectures whose decoder is Llama's: ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (its query and key norms). It reads the modules'
+parameters at every call (weights loaded or swapped later are used), and attends through the
+adapter's pooled attention with the model's own attention function (``sdpa`` or ``eager``).
+
+It is used only where it is exact: :func:`DirectForward.build` takes a model whose modules are
+exactly the architecture's classes (no LoRA, quantized or patched layer, no instance
+``forward``), and the adapter's construction probe compares its logits with the module path's,
+bit for bit (``tfuture.models.hf._direct_exact``). At every step :meth:`DirectForward.intact`
+checks that no module was swapped and that no forward hook was registered since (hooks run
+only on the module path); otherwise the adapter runs the modules.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+__all__ = ["DirectForward"]
+
+
+def _no_window(attn: nn.Module) -> object:
+    return None
+
+
+def _config_window(attn: nn.Module) -> object:
+    return getattr(attn.config, "sliding_window", None)
+
+
+def _module_window(attn: nn.Module) -> object:
+    return getattr(attn, "sliding_window", None)
+
+
+# Architectures whose decoder layer is Llama's (pre-norm attention and gated MLP, rotary
+# embeddings from one module per model): whether queries and keys are normalized per head
+# (Qwen3), and the ``sliding_window`` each attention call passes, read where the module reads it.
+_ARCHS: dict[str, tuple[bool, Callable[[nn.Module], object]]] = {
+    "Llama": (False, _no_window),
+    "Mistral": (False, _config_window),
+    "Qwen2": (False, _module_window),
+    "Qwen3": (True, _module_window),
+}
+
+# (layer index, attention module, q [1, heads, n, head_dim], k, v [1, kv_heads, n, d]) -> [1, n, heads, v_dim]
+Attend = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _rms(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward`` (and Mistral's, Qwen2's, Qwen3's): float32 variance, weight last."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _linear(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    decoder: Any  # the modules, typed loosely: their attributes are the architecture's
+    attn: Any
+    mlp: Any
+    idx: int
+
+
+class DirectForward:
+    """The module path's forward of one model, op for op; see the module docstring."""
+
+    def __init__(self, model: Any, qk_norm: bool, window_of: Callable[[nn.Module], object]) -> None:
+        self.model, self.qk_norm = model, qk_norm
+        #: The ``sliding_window`` the module path's attention call would pass for a layer.
+        self.window_of = window_of
+        inner = model.model
+        self.inner: Any = inner
+        self.layers = [_Layer(d, d.self_attn, d.mlp, i) for i, d in enumerate(inner.layers)]
+        self.rope = sys.modules[type(self.layers[0].attn).__module__].apply_rotary_pos_emb
+        # Per module the direct path stands for: its parent's child table, its name there, itself,
+        # and the dicts a hook or an instance forward would land in (read at every step).
+        self._watch = [
+            (parent._modules, name, child, child._forward_hooks, child._forward_pre_hooks, child.__dict__)
+            for parent in model.modules()
+            for name, child in parent._modules.items()
+            if child is not None
+        ]
+        self._watch.append(
+            ({"": model}, "", model, model._forward_hooks, model._forward_pre_hooks, model.__dict__)
+        )
+
+    @staticmethod
+    def build(model: Any) -> DirectForward | None:
+        """A :class:`DirectForward` of ``model``, or None where its modules are not exactly
+        those of a supported architecture (the adapter then runs the modules)."""
+        name = type(model).__name__
+        prefix = name.removesuffix("ForCausalLM")
+        if prefix == name or prefix not in _ARCHS:
+            return None
+        qk_norm, window_of = _ARCHS[prefix]
+        mod = sys.modules.get(type(model).__module__)
+        want = {
+            f"{prefix}{k}"
+            for k in ("Model", "DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding")
+        }
+        for m in model.modules():
+            if "forward" in m.__dict__:
+                return None
+            cls = type(m)
+            if cls in (nn.Linear, nn.Embedding, nn.ModuleList) or cls is type(model):
+                continue
+            if cls.__name__ not in want or getattr(mod, cls.__name__, None) is not cls:
+                if not (cls.__module__.startswith("transformers.activations") or cls in (nn.SiLU, nn.GELU)):
+                    return None
+        inner = getattr(model, "model", None)
+        if inner is None or type(getattr(model, "lm_head", None)) is not nn.Linear:
+            return None
+        if getattr(mod, "apply_rotary_pos_emb", None) is None:
+            return None
+        for d in inner.layers:
+            a = d.self_attn
+            if qk_norm != (hasattr(a, "q_norm") and hasattr(a, "k_norm")):
+                return None
+            if not all(hasattr(a, k) for k in ("head_dim", "scaling", "layer_idx")):
+                return None
+        return DirectForward(model, qk_norm, window_of)
+
+    def intact(self) -> bool:
+        """No module swapped since :meth:`build`, none with a forward hook or an instance
+        ``forward``, and no global forward hook: the direct path still is the module path."""
+        if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+            return False
+        for table, name, child, hooks, pre_hooks, attrs in self._watch:
+            if table.get(name) is not child or hooks or pre_hooks or "forward" in attrs:
+                return False
+        return True
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """Logits ``[len(sample_rows), vocab]`` of the packed tokens ``input_ids [n]`` at
+        ``positions [n]`` (int64); each layer's attention goes through ``attend``."""
+        inner, n = self.inner, input_ids.shape[0]
+        e = inner.embed_tokens  # nn.Embedding.forward's call, argument for argument
+        x = F.embedding(
+            input_ids[None], e.weight, e.padding_idx, e.max_norm, e.norm_type, e.scale_grad_by_freq, e.sparse
+        )
+        cos, sin = inner.rotary_emb(x, positions[None])
+        for layer in self.layers:
+            a, mlp, d = layer.attn, layer.mlp, layer.decoder
+            h = _rms(d.input_layernorm, x)
+            shape = (1, n, -1, a.head_dim)
+            q = _linear(a.q_proj, h).view(shape)
+            k = _linear(a.k_proj, h).view(shape)
+            if self.qk_norm:
+                q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)
+            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            v = _linear(a.v_proj, h).view(shape).transpose(1, 2)
+            out = attend(layer.idx, a, q, k, v).reshape(1, n, -1).contiguous()
+            x = x + _linear(a.o_proj, out)
+            h = _rms(d.post_attention_layernorm, x)
+            x = x + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, h)) * _linear(mlp.up_proj, h))
+        x = _rms(inner.norm, x)
+        return _linear(self.model.lm_head, x[:, sample_rows])[0]
