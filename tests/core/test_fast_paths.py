@@ -93,6 +93,31 @@ def test_a_mask_filter_of_a_run_takes_one_reference_per_kept_slot():
     assert fmap.alloc(8).slots.tolist() == list(range(1, 9))  # a full run from slot 1
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_index_filter_of_every_row_in_order_is_the_run_again(debug):
+    fmap = FutureMap(12, device="cpu", debug=debug)
+    for n in (1, 2, 5):
+        fi = fmap.alloc(n)
+        every = fi.filter(np.arange(n, dtype=np.int64))
+        assert every.is_contiguous and every.span == fi.span
+        assert fmap.refcounts[fi.slots].tolist() == [2] * n
+        fmap.release(fi)
+        assert fmap.in_use == n and every.host_placeholders().tolist() == (-fi.slots).tolist()
+        fmap.release(every)
+        assert fmap.in_use == 0
+    # Anything but 0..n-1 in order takes the general path, with its own references.
+    fi = fmap.alloc(4)
+    for keep in ([0, 0, 2, 3], [1, 0, 2, 3], [0, 1, 3]):
+        h = fi.filter(np.array(keep, dtype=np.int64))
+        assert not h.is_contiguous and h.slots.tolist() == fi.slots[keep].tolist()
+        fmap.release(h)
+    with pytest.raises(ValueError, match=r"keep indices must lie in \[-4, 4\), got 0..4"):
+        fi.filter(np.array([0, 1, 2, 4], dtype=np.int64))
+    fmap.release(fi)
+    assert fmap.in_use == 0 and fmap.refcounts[1:].sum() == 0
+    fmap.check()
+
+
 def test_release_of_a_handle_naming_a_slot_twice_counts_each_slot_once():
     fmap = FutureMap(6, device="cpu")
     fi = fmap.alloc(3)

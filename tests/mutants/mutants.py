@@ -277,6 +277,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a freed slot named twice by a handle is counted twice off in_use",
     ),
     Mutant(
+        "handles-iota-filter-skips-order-check",
+        "tfuture/core/handles.py",
+        "return n <= 2 or bool((idx[1:] > idx[:-1]).all())",
+        "return True",
+        ("tests/core/test_fast_paths.py",),
+        "an index filter with a repeated row is taken for every row in order (one reference too few)",
+    ),
+    Mutant(
         "slots-filter-index-dups",
         "tfuture/core/handles.py",
         "            slots = self._array()[idx]\n            dups = None\n",

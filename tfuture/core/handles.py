@@ -26,6 +26,14 @@ _count_nonzero = count_nonzero
 # A 0-d operand: in-place arithmetic with it skips the Python scalar's conversion (about half
 # the cost of ``run -= 1``).
 _ONE = np.ones((), dtype=np.int64)
+_INT64 = np.dtype(np.int64)
+
+
+def _is_iota(idx: np.ndarray, n: int) -> bool:
+    """Whether the int64 index array ``idx`` is exactly ``0, 1, ..., n - 1`` (n >= 1)."""
+    if idx.ndim != 1 or idx.shape[0] != n or n == 0 or idx.item(0) != 0 or idx.item(-1) != n - 1:
+        return False
+    return n <= 2 or bool((idx[1:] > idx[:-1]).all())  # n increasing ints in [0, n - 1]: all of them
 
 
 class SlotPool(Protocol):
@@ -168,12 +176,20 @@ class FutureIndices:
         if self._released or self._gens is not None:
             self.check_live("filter")
         n = self._n
+        pool = self._pool
+        start = self._start
+        if type(keep) is np.ndarray and keep.dtype is _INT64 and start >= 0 and _is_iota(keep, n):
+            # Every row in order (the scheduler's decode rows of a step that ran them all): the
+            # new handle is the same fresh run, one more reference on each of its slots.
+            run = pool._refs[start : start + n]
+            run += _ONE
+            return FutureIndices(
+                pool, None, start, n, False, None if self._gens is None else self._gens.copy()
+            )
         if type(keep) is np.ndarray and keep.dtype is _BOOL and keep.ndim == 1 and keep.shape[0] == n:
             idx = keep
         else:
             idx = host_index(keep, n)
-        pool = self._pool
-        start = self._start
         gens = None if self._gens is None else self._gens[idx]
         if idx.dtype is _BOOL:
             if start >= 0 and n > 1 and _count_nonzero(idx) == n:
