@@ -37,6 +37,7 @@ BENCHES = [
     "bench_distributed",
     "bench_hf",
     "bench_spec",
+    "bench_direct",
     "bench_generate",
     "bench_multistep",
 ]

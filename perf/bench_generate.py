@@ -7,7 +7,7 @@ nothing downloaded, float32 on the CPU) of about 3M parameters (hidden 256, 4 la
 and about 80M (hidden 768, 10 layers, 12/4 heads, MLP 2048, vocab 8192). ``batch`` requests with
 prompts of 16 to 32 random ids generate ``NEW`` tokens each, greedily, the end token ignored.
 
-Lines (generated tokens per second of wall time, median of ``REPEATS`` interleaved runs after one
+Lines (generated tokens per second of wall time, median of ``REPEATS[size]`` interleaved runs after one
 warm-up run per model and thread count): ``overlap`` and ``sync`` are ``tfuture.generate(model,
 prompts, params, overlap=...)`` called as a user calls it (engine construction included, the
 front door's defaults otherwise); ``hf`` is ``model.generate`` on the left-padded batch
@@ -51,7 +51,8 @@ NEW = {"3M": harness.sweep([64], [16])[0], "80M": 32}
 SIZES = harness.sweep(["3M", "80M"], ["3M"])
 THREADS = harness.sweep([1, 2], [1])
 BATCHES = harness.sweep([1, 8, 32], [1, 8])
-REPEATS = harness.sweep([3], [2])[0]
+# The 3M model's runs last a fraction of a second each, where a noisy VM's swings are widest: more repeats.
+REPEATS = {"3M": harness.sweep([7], [2])[0], "80M": harness.sweep([3], [2])[0]}
 PROMPT = (16, 32)  # prompt lengths, inclusive
 LINES = ["overlap", "sync", "hf"]
 STYLES = [("blue", "-"), ("red", "--"), ("black", ":")]
@@ -70,6 +71,17 @@ def build(size: str) -> Any:
     from tfuture.examples.hf import build_llama
 
     return build_llama(**MODELS[size], max_len=512).to(DEVICE)
+
+
+def build_or_none(size: str, cannot_run: list[str]) -> Any:
+    """:func:`build`, or None with the reason put in ``cannot_run`` when transformers is missing."""
+    try:
+        return build(size)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "transformers":
+            raise
+        cannot_run[:] = ["transformers is not installed (the hf extra)"]
+        return None
 
 
 def prompts(size: str, batch: int) -> list[list[int]]:
@@ -149,13 +161,9 @@ def runs(model: Any, ps: list[list[int]], new: int, tokens: dict[str, Any]) -> d
 
 @functools.cache
 def measure(size: str, threads: int) -> dict[tuple[int, str], np.ndarray]:
-    """``{(batch, line): [REPEATS]}`` tokens/s; empty when transformers is missing."""
-    try:
-        model = build(size)
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").partition(".")[0] != "transformers":
-            raise
-        CANNOT_RUN[:] = ["transformers is not installed (the hf extra)"]
+    """``{(batch, line): [REPEATS[size]]}`` tokens/s; empty when transformers is missing."""
+    model = build_or_none(size, CANNOT_RUN)
+    if model is None:
         return {}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -166,7 +174,7 @@ def measure(size: str, threads: int) -> dict[tuple[int, str], np.ndarray]:
             hf_run(model, warm, 4), tfuture_run(model, warm, 4, True)  # first-call costs out
             for batch in BATCHES:
                 ps, tokens = prompts(size, batch), {}
-                for line, v in harness.interleaved(runs(model, ps, NEW[size], tokens), REPEATS).items():
+                for line, v in harness.interleaved(runs(model, ps, NEW[size], tokens), REPEATS[size]).items():
                     got[(batch, line)] = v
                 check_tokens(model, ps, NEW[size], tokens)
     finally:

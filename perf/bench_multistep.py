@@ -16,10 +16,12 @@ Two parts, ``K`` in {1, 2, 4, 8} (``K = 1``: the plain token step):
   ``max(T_cpu, K * T_dev)`` for ``K * BATCH`` tokens.
 * ``generate``: ``tfuture.generate(..., multi_step=K)`` on the 3M Hugging Face Llama of
   ``bench_generate`` (fp32, one torch thread), batch 8, ``NEW`` greedy tokens each, engine
-  construction included: tokens per second of wall time. Its ceiling goes to the summary
+  construction included: tokens per second of wall time. A reference goes to the summary
   (``generate_forward_floor_tokens_per_s``, ``generate_ceiling_over_k1``): the same batch
-  through the bare model's own forwards with its own cache, prefill and ``NEW`` decode steps,
-  nothing else, run in turn with the ``K`` runs; no ``K`` can beat it.
+  through the bare model's own module forwards with its own cache, prefill and ``NEW`` decode
+  steps, nothing else, run in turn with the ``K`` runs: the ceiling of an engine that calls the
+  modules. tfuture's direct forward (``tfuture.models.hf_direct``: the same ops without the
+  module calls) runs below the modules' time, so a window may pass it.
 
 Every ``K`` gives the same tokens as ``K = 1`` (checked). Summary (``summary.json`` under
 ``multistep``): per ``K`` the medians and the ratios to ``K = 1``, and the tokens wasted past
@@ -79,9 +81,9 @@ def toy_run(k: int, eos: int = EOS, overlap: bool = True) -> tuple[float, float,
 
 
 def forward_floor(model: Any, ps: list[list[int]]) -> float:
-    """Tokens/s if a step cost only the model's own forward: the bare HF model (no tfuture, no
-    ``generate``) prefilling the left-padded batch and running ``NEW`` greedy decode forwards
-    with its own cache. No engine, sampler or scheduler reaches this, so no window can either."""
+    """Tokens/s if a step cost only the model's own module forward: the bare HF model (no
+    tfuture, no ``generate``) prefilling the left-padded batch and running ``NEW`` greedy decode
+    forwards with its own cache. No engine that calls the modules reaches this."""
     from perf.bench_generate import hf_kwargs
 
     kw = hf_kwargs(ps, NEW)

@@ -202,6 +202,18 @@ def test_bench_generate_plots_every_model_and_thread_count_with_units(
     bg.check_tokens(None, [[5]], 2, same | {"hf": [[9, 9]]})  # unpadded HF agrees
 
 
+def test_bench_direct_plots_every_model_with_units() -> None:
+    """One ms-per-step plot per model, lines modules and direct over its batches."""
+    from perf import bench_direct as bd
+
+    benches = bd.direct_report.benchmarks
+    assert [b.args["size"] for b in benches] == bd.SIZES
+    for b in benches:
+        look = bd._look(b)
+        assert b.line_names == ["modules", "direct"] and b.x_vals == bd.BATCHES[b.args["size"]]
+        assert "ms per step" in look.what and "ms per step" in look.ylabel
+
+
 def test_the_runtime_overhead_plot_bounds_the_runtime_by_the_contracts_floor() -> None:
     # Its contract line follows perf/contract.py (a re-based target once left it naming a gone path).
     from perf import bench_runtime_overhead as bench

@@ -14,15 +14,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_hf import TINY, VOCAB, tiny  # noqa: E402
+from direct_support import MAX_LEN, ROWS, Recorded, run, same_logits  # noqa: E402
+from tiny_hf import TINY, tiny  # noqa: E402
 
-from tfuture import FutureMap  # noqa: E402
-from tfuture.core.batch import ForwardBatch  # noqa: E402
 from tfuture.models import HFCausalLM, hf_direct  # noqa: E402
-from tfuture.runtime import OverlapRuntime  # noqa: E402
-from tfuture.testing import ContinuousBatcher, random_workload  # noqa: E402
 
-ROWS, MAX_LEN = 3, 40
 # name: (config class, its kwargs, attention implementation)
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama": ("LlamaConfig", {}, "sdpa"),
@@ -65,57 +61,21 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
 DIRECT_CALLS = 1 + 2 * TINY["num_hidden_layers"]  # module calls of a direct step, at most
 
 
-class Recorded(HFCausalLM):
-    """Keeps every step's logits, and whether the step ran the direct forward."""
-
-    def __init__(self, model: Any, direct: bool = True) -> None:
-        super().__init__(model, max_requests=ROWS, max_len=MAX_LEN)
-        if not direct:
-            self._direct = None
-        self.logits: list[torch.Tensor] = []
-        self.module_calls: list[int] = []
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        calls = [0]
-        real = torch.nn.Module._call_impl
-
-        def counted(module: torch.nn.Module, *args: Any, **kw: Any) -> Any:
-            calls[0] += 1
-            return real(module, *args, **kw)
-
-        with mock.patch.object(torch.nn.Module, "_call_impl", counted):
-            out = super().forward(batch)
-        self.logits.append(out.clone())
-        self.module_calls.append(calls[0])
-        return out
-
-
-def run(adapter: HFCausalLM, seed: int = 0, overlap: bool = True) -> dict[int, list[int]]:
-    specs = random_workload(seed, 7, vocab=VOCAB, max_prompt=14, max_new=10, arrival_span=5)
-    fmap = FutureMap(32, device="cpu")
-    sched = ContinuousBatcher(specs, fmap, eos=-1, max_running=ROWS, chunk=5, token_budget=9)
-    with torch.inference_mode():
-        OverlapRuntime(adapter, fmap, overlap=overlap).run(sched)
-    return sched.outputs
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_direct_forward_gives_the_module_paths_logits_bit_for_bit(case, one_torch_thread):
     config, kw, attn = CASES[case]
     model = tiny(config, attn, **kw)
     direct, modules = Recorded(model), Recorded(model, direct=False)
     assert direct._direct is not None, f"{case}: the direct forward should apply"
-    want = run(modules, overlap=False)
-    assert run(direct, overlap=False) == want
-    assert len(direct.logits) == len(modules.logits) > 10
-    for step, (a, b) in enumerate(zip(direct.logits, modules.logits, strict=True)):
-        assert a.dtype == b.dtype and torch.equal(a, b), f"{case}: step {step} differs"
+    want = run(modules)
+    assert run(direct) == want
+    assert same_logits(direct, modules), case
     # The direct steps called the rotary embedding, and per layer its activation and (where
     # transformers wraps it in a module) the rotary function, nothing else.
     n_layers = model.config.num_hidden_layers
     assert max(direct.module_calls) <= DIRECT_CALLS
     assert min(modules.module_calls) > 5 * n_layers
-    assert run(direct) == want  # overlapped
+    assert run(direct, overlap=True) == want
 
 
 def test_a_hook_or_a_swap_after_construction_runs_the_modules(one_torch_thread):
@@ -185,3 +145,11 @@ def test_a_window_changed_after_construction_fails_the_direct_step(one_torch_thr
     finally:
         model.config.sliding_window = 4
     assert adapter._direct.intact()  # the step that raised ran the direct forward
+
+
+def test_direct_false_always_runs_the_modules(one_torch_thread):
+    model = tiny("LlamaConfig")
+    adapter = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN, direct=False)
+    assert adapter._direct is None
+    with pytest.raises(TypeError, match="direct must be a bool, got int"):
+        HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN, direct=1)

@@ -593,6 +593,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "Qwen3's per-head query and key norms are skipped by the direct forward",
     ),
     Mutant(
+        "hf-direct-ignores-class-patches",
+        "tfuture/models/hf_direct.py",
+        "return all(cls.forward is fwd for cls, fwd in self._forwards)",
+        "return True",
+        ("tests/models/test_hf_direct_adversarial.py",),
+        "a class forward patched after construction (as kernel patchers do) is skipped by the direct forward",
+    ),
+    Mutant(
+        "hf-direct-ignores-added-modules",
+        "tfuture/models/hf_direct.py",
+        "if len(table) != n:",
+        "if False:",
+        ("tests/models/test_hf_direct_adversarial.py",),
+        "a decoder layer appended after construction is silently left out by the direct forward",
+    ),
+    Mutant(
         "hf-direct-window-unchecked",
         "tfuture/models/hf.py",
         "_check_window(layout, layer, window_of(module))",
@@ -603,7 +619,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "hf-probe-cache-ignores-modules",
         "tfuture/models/hf.py",
-        'tuple((id(m), type(m), id(m.__dict__.get("forward"))) for m in model.modules()),',
+        'tuple((id(m), type(m), id(m.__dict__.get("forward")), type(m).forward) for m in model.modules()),',
         "(),",
         ("tests/models/test_hf_probe_cache.py",),
         "a model whose layers were swapped or patched since its probe is not probed again",

@@ -14,10 +14,10 @@ the pool and attends over each request's cached row through the inner function w
 explicit mask; without the adapter's step (``generate``, training) it is exactly ``inner``.
 
 Llama, Mistral, Qwen2 and Qwen3 models whose modules are exactly transformers' own run the same
-ops without the module calls (:mod:`tfuture.models.hf_direct`, 25-40% less time per step on a
-small model on CPU): used only where a construction probe finds their logits equal to the
-modules' bit for bit, and left for the modules at any step after a forward hook was registered
-or a module swapped.
+ops without the module calls (:mod:`tfuture.models.hf_direct`; about 1.1 ms less a step on a
+3M-parameter Llama on CPU, a fifth of its step at batch 1 and 8, ``python -m perf bench_direct``):
+used only where a construction probe finds their logits equal to the modules' bit for bit, and
+left for the modules at any step after a forward hook was registered or a module swapped.
 
 Sliding-window layers (Mistral, Mixtral, Qwen2/Qwen3 with ``layer_types``, Gemma2, Gemma3,
 Phi-3, Starcoder2, gpt-oss) attend within their window as transformers masks them (see
@@ -282,13 +282,14 @@ _PROBED_LOCK = threading.Lock()
 
 def _probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> _Shapes:
     """:func:`_probe`, or its result for this model when nothing it depends on changed since: the
-    same attention, ``max_len`` and windows, and the same module objects with the same classes
-    and ``forward`` overrides (a layer swapped or patched is probed again). Refusals are not kept."""
+    same attention, ``max_len`` and windows, and the same module objects with the same classes,
+    class ``forward`` functions and instance ``forward`` overrides (a layer swapped, or patched
+    on itself or on its class, is probed again). Refusals are not kept."""
     key = (
         inner,
         max_len,
         windows,
-        tuple((id(m), type(m), id(m.__dict__.get("forward"))) for m in model.modules()),
+        tuple((id(m), type(m), id(m.__dict__.get("forward")), type(m).forward) for m in model.modules()),
     )
     with _PROBED_LOCK:
         seen = _PROBED.get(model)
@@ -317,6 +318,8 @@ class HFCausalLM:
             type that depends on the step's longest position (``"dynamic"``, ``"longrope"``)
             with ``max_len`` past the original context are refused (``ValueError`` naming the
             config key or rope type and the limit).
+        direct: run a Llama, Mistral, Qwen2 or Qwen3 model's ops without its module calls where
+            that is exact (:mod:`tfuture.models.hf_direct`); ``False`` always calls the modules.
 
     Construction runs a one-token probe forward and refuses (``TypeError``) architectures the
     pooled attention cannot serve (see the module docstring); the model is left unchanged then.
@@ -335,13 +338,15 @@ class HFCausalLM:
     returns logits ``[n_sample, vocab]`` for the sampling rows.
     """
 
-    def __init__(self, model: Any, *, max_requests: int, max_len: int) -> None:
+    def __init__(self, model: Any, *, max_requests: int, max_len: int, direct: bool = True) -> None:
         _transformers()
         cfg = model.config
         impl = cfg._attn_implementation
         inner = impl.removeprefix(_PREFIX)
         if inner not in _INNER:
             raise ValueError(f"attention implementation must be one of {_INNER}, got {impl!r}")
+        if type(direct) is not bool:
+            raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
         for arg, v in (("max_requests", max_requests), ("max_len", max_len)):
             if type(v) is not int or v < 1:
                 raise ValueError(f"{arg} must be an int >= 1, got {v!r}")
@@ -362,8 +367,7 @@ class HFCausalLM:
             raise
         self.model, self.inner = model, inner
         # The module path's ops without its module calls, where the probe found it exact.
-        self._direct = DirectForward.build(model) if shapes.direct else None
-        self._attn_fn = None if self._direct is None else _inner_fn(inner, self._direct.layers[0].attn)
+        self._direct = DirectForward.build(model) if direct and shapes.direct else None
         param = next(model.parameters())
         self.vocab = cfg.vocab_size
         self._owner: threading.Thread | None = None  # the host thread of the run using the pool
@@ -427,9 +431,11 @@ class HFCausalLM:
 
     def _attend(self, layout: StepLayout) -> Any:
         """The direct forward's attention: the pooled attention through the model's own function."""
-        fn = self._attn_fn
-
-        window_of = self._direct.window_of  # type: ignore[union-attr]
+        direct = self._direct
+        assert direct is not None
+        # Looked up at each step, as the module path looks it up at each attention call.
+        fn = _inner_fn(self.inner, direct.layers[0].attn)
+        window_of = direct.window_of
 
         def attend(
             layer: int, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -437,7 +443,7 @@ class HFCausalLM:
             _check_window(layout, layer, window_of(module))
 
             def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-                return fn(module, q, k, v, mask, dropout=0.0, scaling=module.scaling)[0]  # type: ignore[misc]
+                return fn(module, q, k, v, mask, dropout=0.0, scaling=module.scaling)[0]
 
             return layout.attend(layer, q, k, v, attn)
 

@@ -75,7 +75,6 @@ class _Layer:
     decoder: Any  # the modules, typed loosely: their attributes are the architecture's
     attn: Any
     mlp: Any
-    idx: int
 
 
 class DirectForward:
@@ -87,19 +86,27 @@ class DirectForward:
         self.window_of = window_of
         inner = model.model
         self.inner: Any = inner
-        self.layers = [_Layer(d, d.self_attn, d.mlp, i) for i, d in enumerate(inner.layers)]
-        self.rope = sys.modules[type(self.layers[0].attn).__module__].apply_rotary_pos_emb
+        self.layers = [_Layer(d, d.self_attn, d.mlp) for d in inner.layers]
+        # The modeling module: its apply_rotary_pos_emb is looked up at each step, as the
+        # attention's forward looks it up at each call.
+        self._mod = sys.modules[type(self.layers[0].attn).__module__]
         # Per module the direct path stands for: its parent's child table, its name there, itself,
-        # and the dicts a hook or an instance forward would land in (read at every step).
-        self._watch = [
-            (parent._modules, name, child, child._forward_hooks, child._forward_pre_hooks, child.__dict__)
+        # its class, and the dicts a hook, an instance forward or a compiled call would land in;
+        # each parent's number of children (one added or removed); each class's forward (the
+        # class patched). Read at every step.
+        tree = [
+            (parent._modules, name, child)
             for parent in model.modules()
             for name, child in parent._modules.items()
+        ]
+        tree.append(({"": model}, "", model))
+        self._watch = [
+            (table, name, child, type(child), child._forward_hooks, child._forward_pre_hooks, child.__dict__)
+            for table, name, child in tree
             if child is not None
         ]
-        self._watch.append(
-            ({"": model}, "", model, model._forward_hooks, model._forward_pre_hooks, model.__dict__)
-        )
+        self._sizes = list({id(table): (table, len(table)) for table, _, _ in tree}.values())
+        self._forwards = list({cls: (cls, cls.forward) for *_, cls, _, _, _ in self._watch}.values())
 
     @staticmethod
     def build(model: Any) -> DirectForward | None:
@@ -116,7 +123,7 @@ class DirectForward:
             for k in ("Model", "DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding")
         }
         for m in model.modules():
-            if "forward" in m.__dict__:
+            if "forward" in m.__dict__ or m.__dict__.get("_compiled_call_impl") is not None:
                 return None
             cls = type(m)
             if cls in (nn.Linear, nn.Embedding, nn.ModuleList) or cls is type(model):
@@ -138,14 +145,25 @@ class DirectForward:
         return DirectForward(model, qk_norm, window_of)
 
     def intact(self) -> bool:
-        """No module swapped since :meth:`build`, none with a forward hook or an instance
-        ``forward``, and no global forward hook: the direct path still is the module path."""
+        """No module swapped, added, removed, compiled or given another class since :meth:`build`,
+        no class's ``forward`` patched, no forward hook or instance ``forward``, and no global
+        forward hook: the direct path still is the module path."""
         if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
             return False
-        for table, name, child, hooks, pre_hooks, attrs in self._watch:
-            if table.get(name) is not child or hooks or pre_hooks or "forward" in attrs:
+        for table, name, child, cls, hooks, pre_hooks, attrs in self._watch:
+            if (
+                table.get(name) is not child
+                or type(child) is not cls
+                or hooks
+                or pre_hooks
+                or "forward" in attrs
+                or attrs.get("_compiled_call_impl") is not None
+            ):
                 return False
-        return True
+        for table, n in self._sizes:
+            if len(table) != n:
+                return False
+        return all(cls.forward is fwd for cls, fwd in self._forwards)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, sample_rows: torch.Tensor, attend: Attend
@@ -158,7 +176,8 @@ class DirectForward:
             input_ids[None], e.weight, e.padding_idx, e.max_norm, e.norm_type, e.scale_grad_by_freq, e.sparse
         )
         cos, sin = inner.rotary_emb(x, positions[None])
-        for layer in self.layers:
+        rope = self._mod.apply_rotary_pos_emb
+        for layer in self.layers[: inner.config.num_hidden_layers]:  # as the model iterates them
             a, mlp, d = layer.attn, layer.mlp, layer.decoder
             h = _rms(d.input_layernorm, x)
             shape = (1, n, -1, a.head_dim)
@@ -166,9 +185,9 @@ class DirectForward:
             k = _linear(a.k_proj, h).view(shape)
             if self.qk_norm:
                 q, k = _rms(a.q_norm, q), _rms(a.k_norm, k)
-            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             v = _linear(a.v_proj, h).view(shape).transpose(1, 2)
-            out = attend(layer.idx, a, q, k, v).reshape(1, n, -1).contiguous()
+            out = attend(a.layer_idx, a, q, k, v).reshape(1, n, -1).contiguous()
             x = x + _linear(a.o_proj, out)
             h = _rms(d.post_attention_layernorm, x)
             x = x + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, h)) * _linear(mlp.up_proj, h))
