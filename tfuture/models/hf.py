@@ -14,8 +14,8 @@ the pool and attends over each request's cached row through the inner function w
 explicit mask; without the adapter's step (``generate``, training) it is exactly ``inner``.
 
 Llama, Mistral, Qwen2 and Qwen3 models whose modules are exactly transformers' own run the same
-ops without the module calls (:mod:`tfuture.models.hf_direct`; about 1.1 ms less a step on a
-3M-parameter Llama on CPU, a fifth of its step at batch 1 and 8, ``python -m perf bench_direct``):
+ops without the module calls (:mod:`tfuture.models.hf_direct`; 0.83x the module path's time per
+step on a 3M-parameter Llama on CPU at batch 1, ``python -m perf bench_direct``):
 used only where a construction probe finds their logits equal to the modules' bit for bit, and
 left for the modules at any step after a forward hook was registered or a module swapped.
 
