@@ -123,6 +123,9 @@ AFTER: dict[str, tuple[Callable[[Any], object], bool]] = {  # name: (change, dir
 
 
 @pytest.mark.parametrize("case", list(AFTER))
+@pytest.mark.filterwarnings(
+    "ignore:.*weight_norm.*is deprecated:FutureWarning"
+)  # the old-style pre-hook case
 def test_changes_after_construction_keep_the_module_paths_logits(case: str, one_torch_thread: None) -> None:
     change, still_direct = AFTER[case]
     model = tiny("LlamaConfig", attention_dropout=0.5)
