@@ -153,3 +153,23 @@ def test_direct_false_always_runs_the_modules(one_torch_thread):
     assert adapter._direct is None
     with pytest.raises(TypeError, match="direct must be a bool, got int"):
         HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN, direct=1)
+
+
+def test_multi_token_steps_attend_grouped_keys_as_they_are_and_bit_for_bit(one_torch_thread):
+    """Prefill chunks of a grouped-query sdpa model on the CPU: SDPA with ``enable_gqa`` instead of
+    ``repeat_kv``'s copies, the module path's logits all the same; decode steps keep transformers'
+    own function."""
+    model = tiny("LlamaConfig")  # 4 query heads, 2 KV heads
+    direct, modules = Recorded(model), Recorded(model, direct=False)
+    real = torch.nn.functional.scaled_dot_product_attention
+    widths: list[tuple[int, bool]] = []
+
+    def seen(q: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        widths.append((q.shape[2], bool(kw.get("enable_gqa"))))
+        return real(q, *args, **kw)
+
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", seen):
+        got = run(direct)
+    assert got == run(modules) and same_logits(direct, modules)
+    assert any(gqa for _, gqa in widths), "no multi-token step took enable_gqa"
+    assert not all(gqa for _, gqa in widths), "decode steps go through transformers' function"

@@ -609,6 +609,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a decoder layer appended after construction is silently left out by the direct forward",
     ),
     Mutant(
+        "hf-direct-grouped-attention-unused",
+        "tfuture/models/hf.py",
+        'if q.shape[2] == 1 or q.device.type != "cpu":',
+        "if True:",
+        ("tests/models/test_hf_direct.py",),
+        "multi-token steps copy grouped keys and values (repeat_kv) where SDPA takes them as they are",
+    ),
+    Mutant(
         "hf-direct-window-unchecked",
         "tfuture/models/hf.py",
         "_check_window(layout, layer, window_of(module))",
