@@ -578,7 +578,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hf-direct-probe-trusts-any-logits",
-        "tfuture/models/hf.py",
+        "tfuture/models/hf_direct.py",
         "return got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)",
         "return got.shape == want.shape and got.dtype == want.dtype",
         ("tests/models/test_hf_direct.py",),
@@ -610,7 +610,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hf-direct-grouped-attention-unused",
-        "tfuture/models/hf.py",
+        "tfuture/models/hf_direct.py",
         'if q.shape[2] == 1 or q.device.type != "cpu":',
         "if True:",
         ("tests/models/test_hf_direct.py",),

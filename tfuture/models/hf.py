@@ -49,7 +49,7 @@ import torch
 
 from tfuture.core.batch import ForwardBatch
 from tfuture.models.hf_config import arch, check_rope, layer_windows
-from tfuture.models.hf_direct import DirectForward
+from tfuture.models.hf_direct import DirectForward, attention_call
 from tfuture.models.kv_pool import KVPool, StepLayout
 from tfuture.streams.backends import stream_host_thread
 
@@ -244,68 +244,13 @@ def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
 def _direct_exact(model: Any, inner: str, calls: list[_Call]) -> bool:
     """Whether :class:`DirectForward` applies to ``model``, reads each layer's window where its
     attention call did in the probe (``calls``), and gives the module path's logits bit for bit
-    on probes of 1 and 5 tokens (each attending causally through ``inner``)."""
+    (:meth:`DirectForward.matches`)."""
     direct = DirectForward.build(model)
     if direct is None:
         return False
     if any(direct.window_of(direct.layers[c.layer].attn) != c.window for c in calls if c.layer is not None):
         return False
-    gen = torch.Generator().manual_seed(0)
-    return all(_direct_equal(model, direct, inner, n, gen) for n in (1, 5))
-
-
-# SDPA takes grouped-query keys and values as they are (``enable_gqa``) from torch 2.5.
-_TORCH_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def _direct_attention(inner: str, fn: Any, module: Any) -> Any:
-    """The direct forward's attention call for ``module``'s layer, ``(q, k, v, mask) -> [n, width,
-    heads, v_dim]``: ``fn`` (the model's sdpa or eager function) as the module path calls it. A
-    multi-token query (prefill, verification) of a grouped-query layer on the CPU, through
-    transformers' own sdpa function, runs SDPA with ``enable_gqa`` instead of on ``repeat_kv``'s
-    copies of the keys and values: bit for bit the same there (the construction probe checks it
-    on a 5-token step), 2-3x faster."""
-    scaling = module.scaling
-
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return fn(module, q, k, v, mask, dropout=0.0, scaling=scaling)[0]
-
-    if inner != "sdpa" or not _TORCH_GQA or getattr(module, "num_key_value_groups", 1) <= 1:
-        return call
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if fn is not sdpa_attention_forward:  # another sdpa function registered: it runs as it is
-        return call
-
-    def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if q.shape[2] == 1 or q.device.type != "cpu":
-            return call(q, k, v, mask)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-        return out.transpose(1, 2).contiguous()
-
-    return grouped
-
-
-def _direct_equal(model: Any, direct: DirectForward, inner: str, n: int, gen: torch.Generator) -> bool:
-    """Whether ``direct`` and the modules give the same logits, bit for bit, for ``n`` random tokens."""
-    param = next(model.parameters())
-    ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen).to(param.device)
-    pos = torch.arange(n, device=param.device)
-    fill = torch.finfo(param.dtype).min if inner == "eager" else float("-inf")
-    mask = torch.zeros((1, 1, n, n), dtype=param.dtype, device=param.device)
-    mask.masked_fill_(pos[None, :] > pos[:, None], fill)
-    fn = _inner_fn(inner, direct.layers[0].attn)
-
-    def attend(layer: int, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _direct_attention(inner, fn, module)(q, k, v, mask)
-
-    with torch.no_grad():
-        kw = dict(position_ids=pos[None], attention_mask=mask, use_cache=False, logits_to_keep=pos)
-        want = model(input_ids=ids[None], **kw).logits[0]
-        got = direct.forward(ids, pos, pos, attend)
-    return got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+    return direct.matches(inner, _inner_fn(inner, direct.layers[0].attn))
 
 
 # Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
@@ -475,7 +420,7 @@ class HFCausalLM:
             layer: int, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             _check_window(layout, layer, window_of(module))
-            return layout.attend(layer, q, k, v, _direct_attention(inner, fn, module))
+            return layout.attend(layer, q, k, v, attention_call(inner, fn, module))
 
         return attend
 
