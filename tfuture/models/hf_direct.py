@@ -15,6 +15,10 @@ bit for bit (``tfuture.models.hf._direct_exact``). At every step :meth:`DirectFo
 checks that no module was swapped and that no forward hook was registered since (hooks run
 only on the module path); otherwise the adapter runs the modules.
 
+Tested on transformers 5.25.0 (torch 2.13, CPU). On other releases the construction probe
+decides: where the modules' code differs (an op added, a branch), the logits differ and the
+modules run.
+
 Multi-token steps (prefill, verification) of grouped-query layers on the CPU through
 transformers' own sdpa function run SDPA with ``enable_gqa`` instead of on ``repeat_kv``'s copies
 of the keys and values (:func:`attention_call`): bit for bit the same there, 2-3x faster.
