@@ -173,3 +173,25 @@ def test_multi_token_steps_attend_grouped_keys_as_they_are_and_bit_for_bit(one_t
     assert got == run(modules) and same_logits(direct, modules)
     assert any(gqa for _, gqa in widths), "no multi-token step took enable_gqa"
     assert not all(gqa for _, gqa in widths), "decode steps go through transformers' function"
+
+
+def test_sdpa_with_enable_gqa_equals_sdpa_on_repeated_keys_bit_for_bit():
+    """What the direct forward's grouped attention rests on, on this torch: SDPA over grouped keys
+    and values as they are gives what it gives over ``repeat_kv``'s copies, bit for bit, for masked
+    multi-token queries over strided (pool-like) keys, several shapes and dtypes."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    gen = torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    shapes = [(1, 2, 2, 16, 2, 5), (3, 2, 4, 64, 5, 40), (2, 1, 8, 8, 17, 17), (8, 4, 2, 80, 3, 300)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for reqs, kv, groups, dim, width, kv_len in shapes:
+            q = torch.randn(reqs, kv * groups, width, dim, generator=gen).to(dtype)
+            pool = torch.randn(2, reqs, kv_len + 3, kv, dim, generator=gen).to(dtype)
+            k, v = (pool[i, :, :kv_len].transpose(1, 2) for i in (0, 1))  # [reqs, kv, kv_len, dim], strided
+            mask = torch.zeros(reqs, 1, width, kv_len, dtype=dtype)
+            mask.masked_fill_(torch.rand(reqs, 1, width, kv_len, generator=gen) < 0.3, float("-inf"))
+            mask[..., 0] = 0
+            want = sdpa(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=dim**-0.5)
+            got = sdpa(q, k, v, attn_mask=mask, scale=dim**-0.5, enable_gqa=True)
+            assert torch.equal(got, want), (dtype, reqs, kv, groups, dim, width, kv_len)

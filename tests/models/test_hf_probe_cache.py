@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from tfuture import FutureMap
 from tfuture.examples.hf import build_llama
 from tfuture.models import HFCausalLM
-from tfuture.models import hf as hf_module
+from tfuture.models import hf_probe as hf_module
 from tfuture.runtime import OverlapRuntime
 from tfuture.testing import ContinuousBatcher, RequestSpec
 

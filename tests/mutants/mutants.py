@@ -626,7 +626,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "hf-probe-cache-ignores-modules",
-        "tfuture/models/hf.py",
+        "tfuture/models/hf_probe.py",
         'tuple((id(m), type(m), id(m.__dict__.get("forward")), type(m).forward) for m in model.modules()),',
         "(),",
         ("tests/models/test_hf_probe_cache.py",),

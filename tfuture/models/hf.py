@@ -29,7 +29,7 @@ below ``max_len`` (``attention_chunk_size``, other ``*window``/``*window_size`` 
 types other than full and sliding, bidirectional attention; sliding windows on transformers
 < 4.53), a rope type whose frequencies follow the step's longest position (``"dynamic"``,
 ``"longrope"``) when ``max_len`` passes the original context, and, found by a one-token probe
-forward, architectures whose layers do not hand the attention kwargs to the attention function
+forward (:mod:`tfuture.models.hf_probe`), architectures whose layers do not hand the attention kwargs to the attention function
 (StableLM, Nemotron: the pooled attention would never see the step; Falcon, Bloom, MPT do not
 use the attention interface at all), whose head shapes differ between layers, or whose
 attention calls carry a window other than the one their config gives.
@@ -38,44 +38,24 @@ attention calls carry a window other than the one their config gives.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
-import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from tfuture.core.batch import ForwardBatch
-from tfuture.models.hf_config import arch, check_rope, layer_windows
+from tfuture.models.hf_config import check_rope, layer_windows
 from tfuture.models.hf_direct import DirectForward, attention_call
+from tfuture.models.hf_probe import STEP_KW, Call, Probe, binding, describe, inner_fn, probed
 from tfuture.models.kv_pool import KVPool, StepLayout
 from tfuture.streams.backends import stream_host_thread
 
 __all__ = ["HFCausalLM"]
 
-_STEP_KW = "tfuture_step"
 _PREFIX = "tfuture_"
 _INNER = ("sdpa", "eager")
 _CLAIM_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """One attention call seen by the construction probe."""
-
-    layer: int | None
-    key: tuple[int, ...]
-    value: tuple[int, ...]
-    window: object
-
-
-@dataclass(slots=True)
-class _Probe:
-    """Passed as the step during the construction probe: records every attention call."""
-
-    calls: list[_Call] = field(default_factory=list)
 
 
 def _transformers() -> Any:
@@ -88,18 +68,6 @@ def _transformers() -> Any:
     return transformers
 
 
-def _inner_fn(inner: str, module: torch.nn.Module) -> Any:
-    if inner == "sdpa":
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    # Eager attention is per model (softcapping, scaling): the function beside the module's class.
-    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if fn is None:
-        raise TypeError(f"{type(module).__name__} has no eager_attention_forward beside it")
-    return fn
-
-
 def _pool_attention(
     inner: str,
     module: torch.nn.Module,
@@ -110,14 +78,14 @@ def _pool_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The registered ``tfuture_<inner>`` attention: over the KV pool inside an adapter step."""
-    layout: StepLayout | _Probe | None = kwargs.pop(_STEP_KW, None)
-    fn = _inner_fn(inner, module)
+    layout: StepLayout | Probe | None = kwargs.pop(STEP_KW, None)
+    fn = inner_fn(inner, module)
     if layout is None:
         return fn(module, query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
-    if isinstance(layout, _Probe):
+    if isinstance(layout, Probe):
         idx = getattr(module, "layer_idx", None)
-        layout.calls.append(_Call(idx, tuple(key.shape), tuple(value.shape), window))
+        layout.calls.append(Call(idx, tuple(key.shape), tuple(value.shape), window))
         return fn(module, query, key, value, attention_mask, **kwargs)
     layer: int = module.layer_idx  # type: ignore[assignment]
     _check_window(layout, layer, window)
@@ -132,10 +100,10 @@ def _pool_attention(
 def _check_window(layout: StepLayout, layer: int, window: object) -> None:
     """``ValueError`` when a layer's attention call carries a window other than the pool's for it
     (the probe checked each layer at construction: the model changed since)."""
-    if window is not None and _binding(window, layout.pool.max_len) != layout.pool.windows[layer]:
+    if window is not None and binding(window, layout.pool.max_len) != layout.pool.windows[layer]:
         raise ValueError(
             f"layer {layer} attends with sliding_window={window}, the KV pool gives it "
-            f"{_describe(layout.pool.windows[layer])} (max_len={layout.pool.max_len})"
+            f"{describe(layout.pool.windows[layer])} (max_len={layout.pool.max_len})"
         )
 
 
@@ -152,132 +120,6 @@ def _register(inner: str) -> str:
             return name
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     return name
-
-
-def _binding(window: object, max_len: int) -> int | None:
-    """An attention call's ``sliding_window`` kwarg as the KV pool stores it (``None``: never binds)."""
-    if isinstance(window, int) and not isinstance(window, bool) and window < max_len:
-        return window
-    return None
-
-
-def _describe(window: int | None) -> str:
-    return "full attention" if window is None else f"a window of {window}"
-
-
-@dataclass(frozen=True, slots=True)
-class _Shapes:
-    """What every layer writes into the KV pool: key and value ``(heads, head_dim)``; whether
-    the direct forward gives the module path's logits bit for bit (:func:`_direct_exact`)."""
-
-    key: tuple[int, int]
-    value: tuple[int, int]
-    direct: bool = False
-
-
-def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> _Shapes:
-    """One-token forward through the registered attention: the key and value head shapes every
-    layer writes; ``TypeError``/``ValueError`` naming the architecture when a layer does not
-    hand the step to its attention, the head shapes differ between layers, or a layer's
-    attention call carries a window other than the one its config gives (``windows``)."""
-    arch_, cfg = arch(model), model.config
-    param = next(model.parameters())
-    probe = _Probe()
-    if inner == "eager":
-        mask = torch.zeros((1, 1, 1, 1), dtype=param.dtype, device=param.device)
-    else:
-        mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=param.device)
-    ids = torch.zeros((1, 1), dtype=torch.int64, device=param.device)
-    try:
-        with torch.no_grad():
-            model(
-                input_ids=ids,
-                position_ids=ids,
-                attention_mask=mask,
-                use_cache=False,
-                logits_to_keep=1,
-                **{_STEP_KW: probe},
-            )
-    except Exception as e:
-        raise TypeError(
-            f"{arch_}: a one-token probe forward through tfuture's pooled attention failed "
-            f"({type(e).__name__}: {e})"
-        ) from e
-    n_layers = cfg.num_hidden_layers
-    if not probe.calls:
-        raise TypeError(
-            f"{arch_}: its decoder layers call the attention function without the attention kwargs, "
-            "so the pooled attention would never see the step (each request would attend over its "
-            "own new tokens only); not supported"
-        )
-    layers = sorted(c.layer for c in probe.calls if c.layer is not None)
-    if len(layers) < len(probe.calls) or layers != list(range(n_layers)):
-        raise TypeError(
-            f"{arch_}: every one of its {n_layers} layers must call the attention function once per "
-            f"forward with the attention kwargs and a layer_idx, got the calls of layers "
-            f"{[c.layer for c in probe.calls]}; not supported"
-        )
-    first = probe.calls[0]
-    shapes = _Shapes((first.key[1], first.key[-1]), (first.value[1], first.value[-1]))
-    for c in probe.calls:
-        if _Shapes((c.key[1], c.key[-1]), (c.value[1], c.value[-1])) != shapes:
-            raise TypeError(
-                f"{arch_}: the key/value head shapes differ between layers (layer 0: key {shapes.key}, "
-                f"value {shapes.value}; layer {c.layer}: key {c.key[1], c.key[-1]}, value "
-                f"{c.value[1], c.value[-1]}); not supported"
-            )
-        assert c.layer is not None
-        # Models that mask without passing the window (PhiMoE, Qwen2-MoE) pass None: the config decides.
-        if c.window is not None and _binding(c.window, max_len) != windows[c.layer]:
-            raise ValueError(
-                f"{arch_}: layer {c.layer} attends with sliding_window={c.window!r}, its config gives it "
-                f"{_describe(windows[c.layer])} (max_len={max_len}): the pooled attention cannot tell "
-                "which one its masks follow; not supported"
-            )
-    try:
-        direct = _direct_exact(model, inner, probe.calls)
-    except Exception:  # the direct forward does not fit this model: the modules run it
-        direct = False
-    return _Shapes(shapes.key, shapes.value, direct)
-
-
-def _direct_exact(model: Any, inner: str, calls: list[_Call]) -> bool:
-    """Whether :class:`DirectForward` applies to ``model``, reads each layer's window where its
-    attention call did in the probe (``calls``), and gives the module path's logits bit for bit
-    (:meth:`DirectForward.matches`)."""
-    direct = DirectForward.build(model)
-    if direct is None:
-        return False
-    if any(direct.window_of(direct.layers[c.layer].attn) != c.window for c in calls if c.layer is not None):
-        return False
-    return direct.matches(inner, _inner_fn(inner, direct.layers[0].attn))
-
-
-# Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
-# same modules, attention and windows skips the probe, a whole forward (~30 ms at 80M parameters).
-_PROBED: weakref.WeakKeyDictionary[Any, tuple[tuple[object, ...], _Shapes]] = weakref.WeakKeyDictionary()
-_PROBED_LOCK = threading.Lock()
-
-
-def _probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> _Shapes:
-    """:func:`_probe`, or its result for this model when nothing it depends on changed since: the
-    same attention, ``max_len`` and windows, and the same module objects with the same classes,
-    class ``forward`` functions and instance ``forward`` overrides (a layer swapped, or patched
-    on itself or on its class, is probed again). Refusals are not kept."""
-    key = (
-        inner,
-        max_len,
-        windows,
-        tuple((id(m), type(m), id(m.__dict__.get("forward")), type(m).forward) for m in model.modules()),
-    )
-    with _PROBED_LOCK:
-        seen = _PROBED.get(model)
-    if seen is not None and seen[0] == key:
-        return seen[1]
-    shapes = _probe(model, inner, max_len, windows)
-    with _PROBED_LOCK:
-        _PROBED[model] = (key, shapes)
-    return shapes
 
 
 class HFCausalLM:
@@ -339,7 +181,7 @@ class HFCausalLM:
         training = model.training
         model.eval()
         try:
-            shapes = _probed(model, inner, max_len, windows)
+            shapes = probed(model, inner, max_len, windows)
         except BaseException:
             _set_attention(model, impl)  # refused: the model is left as it was
             model.train(training)
@@ -404,7 +246,7 @@ class HFCausalLM:
                 attention_mask=layout.mask,
                 use_cache=False,
                 logits_to_keep=batch.sample_rows,
-                **{_STEP_KW: layout},
+                **{STEP_KW: layout},
             )
         return out.logits[0]
 
@@ -413,7 +255,7 @@ class HFCausalLM:
         direct = self._direct
         assert direct is not None
         # Looked up at each step, as the module path looks it up at each attention call.
-        inner, fn = self.inner, _inner_fn(self.inner, direct.layers[0].attn)
+        inner, fn = self.inner, inner_fn(self.inner, direct.layers[0].attn)
         window_of = direct.window_of
 
         def attend(

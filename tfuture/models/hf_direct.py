@@ -11,7 +11,7 @@ adapter's pooled attention with the model's own attention function (``sdpa`` or 
 It is used only where it is exact: :func:`DirectForward.build` takes a model whose modules are
 exactly the architecture's classes (no LoRA, quantized or patched layer, no instance
 ``forward``), and the adapter's construction probe compares its logits with the module path's,
-bit for bit (``tfuture.models.hf._direct_exact``). At every step :meth:`DirectForward.intact`
+bit for bit (``tfuture.models.hf_probe._direct_exact``). At every step :meth:`DirectForward.intact`
 checks that no module was swapped and that no forward hook was registered since (hooks run
 only on the module path); otherwise the adapter runs the modules.
 
@@ -21,7 +21,8 @@ modules run.
 
 Multi-token steps (prefill, verification) of grouped-query layers on the CPU through
 transformers' own sdpa function run SDPA with ``enable_gqa`` instead of on ``repeat_kv``'s copies
-of the keys and values (:func:`attention_call`): bit for bit the same there, 2-3x faster.
+of the keys and values (:func:`attention_call`): bit for bit the same there
+(``tests/models/test_hf_direct.py`` sweeps shapes and dtypes), without the copies.
 """
 
 from __future__ import annotations
