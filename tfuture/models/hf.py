@@ -29,10 +29,10 @@ below ``max_len`` (``attention_chunk_size``, other ``*window``/``*window_size`` 
 types other than full and sliding, bidirectional attention; sliding windows on transformers
 < 4.53), a rope type whose frequencies follow the step's longest position (``"dynamic"``,
 ``"longrope"``) when ``max_len`` passes the original context, and, found by a one-token probe
-forward (:mod:`tfuture.models.hf_probe`), architectures whose layers do not hand the attention kwargs to the attention function
-(StableLM, Nemotron: the pooled attention would never see the step; Falcon, Bloom, MPT do not
-use the attention interface at all), whose head shapes differ between layers, or whose
-attention calls carry a window other than the one their config gives.
+forward (:mod:`tfuture.models.hf_probe`), architectures whose layers do not hand the attention
+kwargs to the attention function (StableLM, Nemotron: the pooled attention would never see the
+step; Falcon, Bloom, MPT do not use the attention interface at all), whose head shapes differ
+between layers, or whose attention calls carry a window other than the one their config gives.
 """
 
 from __future__ import annotations
