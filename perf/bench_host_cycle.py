@@ -60,17 +60,17 @@ def seed_resolve_(ids: torch.Tensor, token_map: torch.Tensor) -> torch.Tensor:
 class Inputs:
     """What every line gets for batch size ``n``: sampled tokens, prefill ids, keep masks."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, device: str = DEVICE) -> None:
         g = torch.Generator().manual_seed(n)
-        self.n, self.n_keep = n, max(1, int(0.9 * n))
-        self.tokens = torch.randint(0, 32000, (n,), generator=g).to(DEVICE)
-        self.prefill = torch.randint(0, 32000, (N_PREFILL,), generator=g).to(DEVICE)
+        self.n, self.n_keep, self.device = n, max(1, int(0.9 * n)), device
+        self.tokens = torch.randint(0, 32000, (n,), generator=g).to(device)
+        self.prefill = torch.randint(0, 32000, (N_PREFILL,), generator=g).to(device)
         rng = np.random.default_rng(n)
         # Exactly n_keep rows kept every cycle: one shape per size, so one compile per size.
         self.masks = [np.isin(np.arange(n), rng.permutation(n)[: self.n_keep]) for _ in range(16)]
 
     def expected(self, cycle: int) -> torch.Tensor:
-        mask = torch.from_numpy(self.masks[cycle % len(self.masks)]).to(DEVICE)
+        mask = torch.from_numpy(self.masks[cycle % len(self.masks)]).to(self.device)
         return torch.cat([self.prefill, self.tokens[mask]])
 
 

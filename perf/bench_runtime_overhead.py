@@ -85,9 +85,11 @@ METRICS = {"thread_cpu": 0, "cpu": 1, "wall": 2}  # column of measure()'s arrays
 
 
 def make_runtime(n: int, overlap: bool, backend: str, trace: bool = False) -> Callable[[int], object]:
-    """``run(steps)`` of an OverlapRuntime, tracing off unless ``trace``."""
+    """``run(steps)`` of an OverlapRuntime, tracing off unless ``trace``. The CPU backends
+    (``worker``, ``inline``) run on a CPU map and model on a GPU host too."""
+    dev = DEVICE if backend == "auto" else "cpu"
     rt = OverlapRuntime(
-        ZeroModel(n), FutureMap(4 * n + 64, device=DEVICE), overlap=overlap, stream=backend, trace=trace
+        ZeroModel(n, dev), FutureMap(4 * n + 64, device=dev), overlap=overlap, stream=backend, trace=trace
     )
 
     def run(steps: int) -> None:

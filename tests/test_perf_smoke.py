@@ -35,7 +35,7 @@ class Recording(DecodeScheduler):
 def test_hand_loop_decodes_what_the_runtime_decodes(stream: str, overlap: bool) -> None:
     n, steps = 4, 6
     sched = Recording(n)
-    OverlapRuntime(ToyModel(), FutureMap(64), overlap=overlap, stream=stream, trace=False).run(
+    OverlapRuntime(ToyModel(), FutureMap(64, device="cpu"), overlap=overlap, stream=stream, trace=False).run(
         sched, max_steps=steps
     )
     clock = StepClock()
@@ -125,7 +125,7 @@ def test_the_checked_floor_keeps_the_bookkeeping_rules(n: int) -> None:
     from perf.bench_host_cycle import Inputs, checked_floor_cycle
     from perf.floor_cycle import FloorMap
 
-    x = Inputs(n)
+    x = Inputs(n, device="cpu")  # the floor prototype is a CPU map's (numpy)
     cycle = checked_floor_cycle(x)
     for i in range(7):  # around the ring more than once
         assert torch.equal(cycle(), x.expected(i))

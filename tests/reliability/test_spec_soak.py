@@ -126,7 +126,7 @@ def plain_greedy(models: dict[str, Any], specs: list[RequestSpec]) -> dict[int, 
     """Every greedy request's plain decoding to its length limit (its penalties, no stop): one
     sync run, all at once."""
     n = len(specs)
-    fmap = FutureMap(8 * n + 8)
+    fmap = FutureMap(8 * n + 8, device="cpu")
     free = [RequestSpec(s.rid, 0, s.prompt, s.max_new, params=s.params) for s in specs if not sampled(s)]
     sched = ServingScheduler(fmap, free, max_running=n, chunk=64, token_budget=1024)
     hf = HFCausalLM(models["target"], max_requests=n, max_len=MAX_LEN)
@@ -173,7 +173,7 @@ def run_spec(
     """``specs`` through the speculative step with the episode's drafter and settings, with
     ``on_update(sched, update)`` hearing every update; checks that no slot or thread is left.
     Returns the scheduler and the run's steps."""
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, device="cpu")
     hear = None if on_update is None else lambda u: on_update(sched, u)
     sched = ServingScheduler(
         fmap,

@@ -55,7 +55,7 @@ def run(
 ) -> ContinuousBatcher:
     """``specs`` through the multi-step step (``k`` = 1: the plain token step with the Sampler);
     the batcher, with the run's model launches as ``launches``."""
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, device="cpu")
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     sampler = Sampler(history_rows=ROWS)
     sched = ContinuousBatcher(
@@ -88,7 +88,7 @@ def test_every_k_gives_plain_decodings_tokens(
 
 
 def test_a_multi_step_window_of_one_is_the_token_step(model: Any, plain: dict[int, list[int]]) -> None:
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, device="cpu")
     step = MultiStepTokenStep(
         HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN), Sampler(history_rows=ROWS)
     )
@@ -140,7 +140,7 @@ def test_windows_shrink_to_the_tokens_left(model: Any) -> None:
 
 
 def test_bad_configurations_are_refused() -> None:
-    fmap = FutureMap(64)
+    fmap = FutureMap(64, device="cpu")
     with pytest.raises(ValueError, match="multi_step must be an int >= 1"):
         ContinuousBatcher(workload(), fmap, multi_step=0)
     one = np.ones(1, dtype=np.int64)
@@ -158,7 +158,7 @@ def test_a_model_that_returns_the_wrong_rows_in_a_later_step_is_refused_by_name(
             logits = super().forward(batch)
             return logits[:1] if batch.host.max_seg_len == 1 and batch.sample_rows.numel() > 1 else logits
 
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, device="cpu")
     step = MultiStepTokenStep(
         Truncating(model, max_requests=ROWS, max_len=MAX_LEN), Sampler(history_rows=ROWS)
     )
@@ -223,7 +223,7 @@ def test_a_step_kind_without_windows_refuses_a_window_by_name(model: Any) -> Non
     """ContinuousBatcher(multi_step=K) driven by the plain token step: refused before the first
     step; a scheduler that does not say it makes windows is refused at its first window. Never
     one step run with the host counting K tokens."""
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, device="cpu")
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     sched = ContinuousBatcher(workload(), fmap, eos=NO_STOP, max_running=ROWS, multi_step=4)
     runtime = OverlapRuntime(hf, fmap, trace=False, sampler=Sampler())
@@ -272,7 +272,7 @@ def test_a_row_without_a_valid_token_in_a_window_names_its_request(model: Any) -
             rows = batch.req_ids.index_select(0, batch.sample_reqs) == 2
             return logits.masked_fill(rows.unsqueeze(1), float("nan"))
 
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, device="cpu")
     step = MultiStepTokenStep(NaNFor2(model, max_requests=ROWS, max_len=MAX_LEN), Sampler(history_rows=ROWS))
     specs = [replace(s, arrival=0) for s in workload()]
     sched = ContinuousBatcher(specs, fmap, eos=NO_STOP, max_running=ROWS, history_rows=ROWS, multi_step=4)

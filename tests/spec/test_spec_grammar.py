@@ -62,7 +62,7 @@ class Oracle(NGramDrafter):
 
 
 def run(model: Any, specs: list[RequestSpec], grammar: ToyGrammar | None, drafter: Any, overlap: bool = True):
-    fmap = FutureMap(256)
+    fmap = FutureMap(256, device="cpu")
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     kind: Any = hf
     kw: dict[str, Any] = {"sampler": Sampler()}

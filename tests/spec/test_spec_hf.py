@@ -64,7 +64,7 @@ def run(
     faults: FaultPlan | None = None,
     debug: bool = False,
 ) -> tuple[ContinuousBatcher, Any]:
-    fmap = FutureMap(256, debug=debug)
+    fmap = FutureMap(256, debug=debug, device="cpu")
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     kind: Any = hf
     k = 0
@@ -176,7 +176,7 @@ def test_without_drafts_the_step_samples_the_samplers_tokens(model: Any) -> None
     params = SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=3)
     specs = [RequestSpec(i, 0, np.arange(3 + i, 9 + i), 10, params=params) for i in range(3)]
     plain, _ = run(model, specs)
-    fmap = FutureMap(128)
+    fmap = FutureMap(128, device="cpu")
     step = SpecTokenStep(HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN), NGramDrafter(k=2), Sampler())
     step.drafter.bind(ROWS, MAX_LEN, torch.device("cpu"))
     sched = ContinuousBatcher(specs, fmap, eos=NO_STOP, max_running=ROWS)  # plain Batches
@@ -213,7 +213,7 @@ def test_grammar_requests_take_masks_beside_drafting_requests(model: Any, overla
     ]
 
     def go(k: int) -> ContinuousBatcher:
-        fmap = FutureMap(256)
+        fmap = FutureMap(256, device="cpu")
         hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
         kind: Any = hf
         if k:

@@ -71,7 +71,7 @@ def run(
 ) -> tuple[ContinuousBatcher, FutureMap]:
     """The workload through the token step (plain) or the speculative step (``drafter``), on a
     map of ``capacity`` slots."""
-    fmap = FutureMap(capacity)
+    fmap = FutureMap(capacity, device="cpu")
     specs = workload() if specs is None else specs
     hf = HFCausalLM(model, max_requests=ROWS, max_len=MAX_LEN)
     if drafter is None:
@@ -256,4 +256,4 @@ def test_a_speculative_run_on_a_map_of_one_step_serves_or_leaks_nothing(
 
 def test_a_map_smaller_than_two_steps_of_one_request_is_refused(model: Any) -> None:
     with pytest.raises(ValueError, match="cannot run speculative decoding with 3 drafts"):
-        ContinuousBatcher(TOGETHER, FutureMap(7), max_running=4, speculative=3)
+        ContinuousBatcher(TOGETHER, FutureMap(7, device="cpu"), max_running=4, speculative=3)

@@ -203,6 +203,11 @@ class HFCausalLM:
             windows=windows,
         )
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters and of its KV pool: the FutureMap's must match."""
+        return self.pool.k.device
+
     def _claim(self) -> None:
         """On the stream: the adapter belongs to the run whose op calls this (until ``close``)."""
         host = stream_host_thread()

@@ -63,10 +63,15 @@ class ModelDrafter:
                     f"{pool.max_len}; it needs at least {max_requests} and {need}"
                 )
             self.adapter = self.draft_model
-            return
-        a = self.adapter
-        if a is None or a.pool.n_rows < max_requests or a.pool.max_len < need:
-            self.adapter = HFCausalLM(self.draft_model, max_requests=max_requests, max_len=need)
+        else:
+            a = self.adapter
+            if a is None or a.pool.n_rows < max_requests or a.pool.max_len < need:
+                self.adapter = HFCausalLM(self.draft_model, max_requests=max_requests, max_len=need)
+        if self.adapter.device != device:
+            raise ValueError(
+                f"ModelDrafter: the draft model is on {self.adapter.device} and the FutureMap on "
+                f"{device}: put the draft model on the map's device"
+            )
 
     def _adapter(self) -> Any:
         if self.adapter is None:

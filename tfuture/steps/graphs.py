@@ -132,10 +132,18 @@ def capture(bucket: GraphBucket, device: torch.device, run: Callable[[], torch.T
         return
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.current_stream(device)
+    gen = torch.cuda.default_generators[
+        device.index if device.index is not None else torch.cuda.current_device()
+    ]
+    before = gen.clone_state()
     try:
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             out = run()
     except Exception as exc:
+        # torch raises before its capture epilogue: the device's default generator stays marked
+        # as capturing, and every later random op on the device would raise "Offset increment
+        # outside graph capture". Its state from before the capture goes back.
+        gen.graphsafe_set_state(before)
         raise GraphCaptureError(
             f"capturing the step of bucket (rows={bucket.rows}, reqs={bucket.reqs}) into a CUDA graph "
             f"failed: {type(exc).__name__}: {exc}. The model must be graph-safe (see "

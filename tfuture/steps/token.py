@@ -90,6 +90,12 @@ class TokenStep(StepKind):
                 "graphs=True cannot check slots on the device: debug mode syncs in every call; use a "
                 "FutureMap without debug=True"
             )
+        dev = getattr(self.model, "device", None)
+        if isinstance(dev, torch.device) and dev != fmap.device:
+            raise ValueError(
+                f"the model is on {dev} and the FutureMap on {fmap.device}: build the map on the "
+                f"model's device (FutureMap(..., device={str(dev)!r})) or move the model"
+            )
         self.fmap = fmap
 
     # -- host, at launch ---------------------------------------------------------------------
