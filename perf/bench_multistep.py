@@ -9,7 +9,10 @@ Two parts, ``K`` in {1, 2, 4, 8} (``K = 1``: the plain token step):
   worker (device time: the GIL is free meanwhile; its logits cost little), and the scheduler
   does ``T_cpu`` = 2 ms of host work per processed step (``ContinuousBatcher(host_work_s=2e-3)``,
   a sleep: a step's detokenizing and I/O), overlapped. ``BATCH`` greedy requests of ``NEW``
-  tokens each; the end token ends some early. Lines: wall time per generated token, and the
+  tokens each, their prompts prefilled together in the first step (a token budget of 16 per
+  request: the decode regime from the start; with the batcher's default budget of 32 the
+  prompts prefill over two steps and the requests end two windows apart); the end token ends
+  some early. Lines: wall time per generated token, and the
   host thread's CPU time per generated token (``time.thread_time``: the runtime's, the
   scheduler's and the result handling's own Python, what the window amortizes), in ms.
   Nominal: ``K = 1`` is host-bound at ``T_cpu`` per step; a window of ``K`` costs
@@ -66,7 +69,16 @@ def toy_run(k: int, eos: int = EOS, overlap: bool = True) -> tuple[float, float,
     rng = np.random.default_rng(0)
     specs = [RequestSpec(i, 0, rng.integers(1, VOCAB, 12), NEW) for i in range(BATCH)]
     fmap = FutureMap(256)
-    sched = ContinuousBatcher(specs, fmap, eos=eos, max_running=BATCH, multi_step=k, host_work_s=T_CPU)
+    sched = ContinuousBatcher(
+        specs,
+        fmap,
+        eos=eos,
+        max_running=BATCH,
+        chunk=16,
+        token_budget=16 * BATCH,
+        multi_step=k,
+        host_work_s=T_CPU,
+    )
     model = ToyModel(vocab=VOCAB, work_s=T_DEV)
     sampler = Sampler()
     runtime = (

@@ -1052,6 +1052,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "the step expects one mask row per waiting request where build_mask gives one per verification row",
     ),
     Mutant(
+        "multistep-fast-path-past-the-length-limit",
+        "tfuture/scheduler/drafting.py",
+        "len(r.out) + len(got) < r.spec.max_new",
+        "len(r.out) + len(got) <= r.spec.max_new",
+        MULTISTEP,
+        "a window's tokens that reach max_tokens are appended without the finish: the request runs on",
+    ),
+    Mutant(
+        "multistep-fast-path-ignores-stop-tokens",
+        "tfuture/scheduler/drafting.py",
+        "and stop.isdisjoint(got):",
+        ":",
+        MULTISTEP,
+        "a stop token inside a window is appended like any other: output past the stop",
+    ),
+    Mutant(
         "multistep-window-past-the-tokens-left",
         "tfuture/scheduler/drafting.py",
         "            k = max(1, min(self.multi_step, max(left, default=1)))\n",

@@ -165,13 +165,21 @@ class DraftScheduling:
                 r.accepted += toks.size - steps
                 self.drafted_tokens += v
                 self.accepted_tokens += toks.size - steps
-            taken = 0
-            for tok in toks.tolist():
-                if r.finished:
-                    self.extra_tokens += 1
-                else:
-                    self._take(r, tok, result.step)
-                    taken += 1
+            got = toks.tolist()
+            stop = self.stop if r.spec.stop is None else r.spec.stop
+            if live and r.matcher is None and len(r.out) + len(got) < r.spec.max_new and stop.isdisjoint(got):
+                # No grammar, no stop token and no length limit among them: of _take's work,
+                # only the append is left (a window's tokens in one call).
+                r.out.extend(got)
+                taken = len(got)
+            else:
+                taken = 0
+                for tok in got:
+                    if r.finished:
+                        self.extra_tokens += 1
+                    else:
+                        self._take(r, tok, result.step)
+                        taken += 1
             if live:
                 # A speculative step is one model step; a window's steps count up to the finish
                 # (the ones past it gave this request nothing).

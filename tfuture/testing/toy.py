@@ -21,8 +21,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return (x * 1_103_515_245 + 12_345) % _P
 
 
-def device_work(seconds: float, device: torch.device, matmul: int = 0) -> None:
-    """Stand-in device work: sleep on the stream (CUDA ``_sleep`` / worker sleep), or a matmul."""
+def device_work(seconds: float, device: torch.device, matmul: int = 0, since: float | None = None) -> None:
+    """Stand-in device work: sleep on the stream (CUDA ``_sleep`` / worker sleep), or a matmul.
+
+    ``since``: on the CPU worker, a ``time.perf_counter()`` reading taken when the forward
+    began; the sleep then ends ``seconds`` after it, so that the forward's own ops (the toy's
+    logits) count towards its device time instead of adding to it."""
     if matmul:
         x = torch.ones(matmul, matmul, device=device)
         (x @ x).sum()
@@ -30,8 +34,10 @@ def device_work(seconds: float, device: torch.device, matmul: int = 0) -> None:
         return
     if device.type == "cuda":
         torch.cuda._sleep(int(seconds * 1.9e9))
-    else:
+    elif since is None:
         time.sleep(seconds)
+    elif (left := since + seconds - time.perf_counter()) > 0:
+        time.sleep(left)
 
 
 def greedy_sample(logits: torch.Tensor, batch: ForwardBatch, mask: torch.Tensor | None) -> torch.Tensor:
@@ -57,7 +63,9 @@ def _row_requests(batch: ForwardBatch) -> torch.Tensor:
 class ToyModel:
     """Next token = argmax of hash(previous token, its position, request id, v) over the vocab.
 
-    ``work_s`` seconds (or a ``matmul`` x ``matmul`` product) of device work per forward.
+    ``work_s`` seconds (or a ``matmul`` x ``matmul`` product) of device work per forward: on
+    the CPU worker the whole forward, its logits included, takes ``work_s`` (then the sleep's
+    overshoot, about 0.05-0.1 ms); on a GPU the logits are queued before a ``work_s`` sleep.
     ``fail_at`` makes the forward of that step raise, for failure tests.
     """
 
@@ -75,14 +83,17 @@ class ToyModel:
         self.calls += 1
         if self.fail_at is not None and batch.step == self.fail_at:
             raise RuntimeError(f"ToyModel: planted failure in forward of step {batch.step}")
-        dev = batch.input_ids.device
-        device_work(self.work_s, dev, self.matmul)
+        began = time.perf_counter()
         # Logits for the sampling rows only: each sampling request's last token (every
         # verification row in a speculative step).
         rows = batch.sample_rows
         tok = batch.input_ids.index_select(0, rows).to(torch.int64)
         pos = batch.positions.index_select(0, rows)
-        return self.scores(tok, pos, _row_requests(batch))
+        logits = self.scores(tok, pos, _row_requests(batch))
+        # work_s is the whole forward's device time: on the CPU worker the logits above take
+        # part of it (about 0.1 ms), on a GPU they are queued before the sleep.
+        device_work(self.work_s, batch.input_ids.device, self.matmul, since=began)
+        return logits
 
     def scores(self, tok: torch.Tensor, pos: torch.Tensor, rid: torch.Tensor) -> torch.Tensor:
         """``[n, vocab]`` float32 logits after token ``tok`` at position ``pos`` of request ``rid``
