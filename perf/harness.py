@@ -197,10 +197,18 @@ def band(samples: Sequence[float] | np.ndarray) -> Timing:
 
 def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, np.ndarray]:
     """Call every run once per repeat, in turn, so that a slow spell of a shared machine hits
-    them all; ``{name: [repeats, ...] array of what each call returned}``."""
+    them all; ``{name: [repeats, ...] array of what each call returned}``.
+
+    The turn order rotates by one each repeat, so that no run always follows the same other
+    one: on the CPU machine the run after a switch of configuration (another engine, Hugging
+    Face's ``generate``) ran several percent slower than the next one, and a fixed order put
+    that cost on the same line every repeat (in one A/B, overlap listed before sync lost 6-12% to
+    sync, and listed after it won by as much)."""
     out: dict[str, list[Any]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
+    items = list(runs.items())
+    for r in range(repeats):
+        k = r % len(items) if items else 0
+        for name, run in items[k:] + items[:k]:
             out[name].append(run())
     return {name: np.asarray(v, dtype=float) for name, v in out.items()}
 

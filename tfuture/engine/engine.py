@@ -104,7 +104,11 @@ class Engine:
         vocab_size: the logits width, for a model that does not say (grammar masks).
         history_rows: live requests with penalties at once (default ``max_running``).
         stream, delay, trace: :class:`tfuture.OverlapRuntime`'s ``stream`` and ``trace`` and
-            the scheduler's ``delay`` (grammar rows).
+            the scheduler's ``delay`` (grammar rows). ``stream="auto"`` (the default) is CUDA
+            streams on a GPU and, on the CPU, the ``"inline"`` stream: the forward runs on the
+            runtime's own thread. A worker thread (``stream="worker"``) has little to overlap
+            there: the host's Python and a Hugging Face forward's Python share the GIL, and its
+            two handoffs a step cost more than they hide (``python -m perf bench_generate``).
         speculative: a drafter (:class:`tfuture.NGramDrafter`, :class:`tfuture.ModelDrafter`,
             or a :class:`tfuture.spec.Drafter` of your own): every request verifies ``k`` drafts
             a step (greedy output equal to plain decoding; sampled output following the model's
@@ -173,6 +177,8 @@ class Engine:
             rows = max_running if history_rows is None else history_rows
             k = 0 if self.drafter is None else self.drafter.k
             self.fmap = FutureMap((4 * max_running + 8) * (1 + k), device=_device(self.model, device))
+            if stream == "auto" and self.fmap.device.type == "cpu":
+                stream = "inline"  # see the docstring
             self.sampler = Sampler(history_rows=rows)
             if multi_step > 1 and self.drafter is None:
                 window = MultiStepTokenStep(self.model, self.sampler)
