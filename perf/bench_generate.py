@@ -24,8 +24,9 @@ every cell. Needs the ``hf`` extra.
 
 Read the 2-thread cells from a quiet machine: on a 2-core machine whose cores are busy, a forward
 on the calling thread with 2 intra-op threads (``hf``) stalls in OpenMP waits (a batch-32 run of the
-80M model took several times its 1-thread time there), while tfuture's forward runs on its CPU
-worker thread; those cells then measure the machine's load, not the code.
+80M model took several times its 1-thread time there); those cells then measure the machine's
+load, not the code. The engine runs the forward on its own thread on the CPU (the inline stream),
+as ``generate`` does: overlap and sync then run the same ops.
 """
 
 from __future__ import annotations
