@@ -100,7 +100,7 @@ class OverlapRuntime:
         if isinstance(model, StepKind) and (buckets is not None or sampler is not None or graphs):
             raise ValueError(
                 "buckets, graphs and sampler are for token steps: pass them to a plain model, not to a "
-                "step kind"
+                "step kind (a step kind takes its own: SpecTokenStep(model, drafter, sampler, buckets=))"
             )
         if not isinstance(graphs, bool):
             raise TypeError(f"graphs must be a bool, got {type(graphs).__name__}")

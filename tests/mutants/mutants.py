@@ -1052,6 +1052,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "the step expects one mask row per waiting request where build_mask gives one per verification row",
     ),
     Mutant(
+        "spec-buckets-dropped",
+        "tfuture/spec/step.py",
+        "        super().__init__(model, buckets, sampler=sampler if sampler is not None else Sampler())",
+        "        super().__init__(model, None, sampler=sampler if sampler is not None else Sampler())",
+        ("tests/spec/test_spec_buckets.py",),
+        "a speculative step given buckets runs unpadded: the model sees every step's own shape",
+    ),
+    Mutant(
         "multistep-fast-path-past-the-length-limit",
         "tfuture/scheduler/drafting.py",
         "len(r.out) + len(got) < r.spec.max_new",

@@ -32,6 +32,7 @@ class DraftScheduling:
     extra_tokens: int
     drafted_tokens: int
     accepted_tokens: int
+    stop: frozenset[int]  # the batcher's stop tokens (a request's own replace them)
     _take: Callable[[_Req, int, int], None]  # one committed token of a live request
 
     def _keep(self, r: _Req) -> None:

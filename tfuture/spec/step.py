@@ -17,8 +17,10 @@ verification, while the other requests of the step verify theirs; when such a re
 the stored drafts come back to the host with the committed tokens (its next masks follow them).
 Penalties: each verification row is scored with the history its token would have
 (:mod:`tfuture.spec.penalties`). Tensor and pipeline parallel runs use it through
-:class:`tfuture.distributed.spec_step.ParallelSpecStep`. Not yet: ``Buckets`` and step graphs
-(the step takes none; ``ParallelRuntime(speculative=...)`` refuses ``buckets`` by name).
+:class:`tfuture.distributed.spec_step.ParallelSpecStep`. ``buckets=`` pads its steps as the
+token step pads its own (bucket-sized token rows and request counts for the model; verification,
+drafting and the slots see the real requests only). Not yet: step graphs with drafts, and
+``buckets`` under ``ParallelRuntime(speculative=...)``, which refuses them by name.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from tfuture.spec.verify import RowParams, Verified, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import check_rows, check_width, mask_on_stream
 from tfuture.steps.token import TokenStep
-from tfuture.steps.token_state import TokenInputs, TokenState
+from tfuture.steps.token_state import Buckets, TokenInputs, TokenState
 
 __all__ = ["SpecTokenStep"]
 
@@ -101,9 +103,11 @@ class SpecTokenStep(TokenStep):
     #: that does not verify leaves it to the one that does.
     drafts = True
 
-    def __init__(self, model: Model, drafter: Drafter, sampler: Sampler | None = None) -> None:
+    def __init__(
+        self, model: Model, drafter: Drafter, sampler: Sampler | None = None, buckets: Buckets | None = None
+    ) -> None:
         self.take_drafter(drafter)
-        super().__init__(model, sampler=sampler if sampler is not None else Sampler())
+        super().__init__(model, buckets, sampler=sampler if sampler is not None else Sampler())
 
     def take_drafter(self, drafter: Drafter) -> None:
         """Check and keep ``drafter`` (bound by the caller)."""
