@@ -16,6 +16,7 @@ from tfuture.distributed import ParallelRuntime
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.spec import DraftContext, NGramDrafter, SpecTokenStep
+from tfuture.steps.token import Buckets
 from tfuture.testing import ContinuousBatcher
 from tfuture.testing.faults import random_delay
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
@@ -62,16 +63,19 @@ def spec_run(
 ) -> dict[str, Any]:
     """The greedy workload, speculative: the oracle drafter in sync and overlapped under stream
     delays (debug checks on: every step's batch and stored tokens compared across ranks), and
-    the n-gram drafter overlapped (``light``: the overlapped oracle run only)."""
+    the n-gram drafter overlapped, unpadded and padded to ``Buckets`` (debug checks on)
+    (``light``: the overlapped oracle run only)."""
     ctx = join(rank, world, port, tp, pp)
     runs: dict[str, Any] = {}
+    padded = Buckets(rows=(8, 16, 32), reqs=(2, 4))
     variants = [
-        ("oracle_sync", False, oracle, False),
-        ("oracle_overlap", True, oracle, True),
-        ("ngram_overlap", True, lambda _ref: ngram(), False),
+        ("oracle_sync", False, oracle, False, None),
+        ("oracle_overlap", True, oracle, True, None),
+        ("ngram_overlap", True, lambda _ref: ngram(), False, None),
+        ("ngram_overlap_padded", True, lambda _ref: ngram(), True, padded),
     ]
     try:
-        for name, overlap, make, debug in variants[1:2] if light else variants:
+        for name, overlap, make, debug, buckets in variants[1:2] if light else variants:
             fmap = FutureMap(96, device="cpu", debug=debug)
             groups = [
                 ContinuousBatcher(part, fmap, eos=EOS, max_running=2, speculative=K)
@@ -80,7 +84,7 @@ def spec_run(
             delay = random_delay(300 + rank, p=0.3, max_s=2e-3) if overlap else None
             model = ParallelTransformer(ctx=ctx, **MODEL)
             runtime = ParallelRuntime(
-                model, fmap, ctx, overlap=overlap, delay=delay, speculative=make(reference)
+                model, fmap, ctx, overlap=overlap, delay=delay, speculative=make(reference), buckets=buckets
             )
             stats = runtime.run(groups)
             runs[name] = {

@@ -423,12 +423,29 @@ def test_world_1_speculative_equals_plain_decoding(spec_ctx: ParallelContext, ov
     assert fmap.in_use == 0 and sched.drafted_tokens > 0
 
 
-def test_world_1_speculative_refuses_buckets_and_a_fault_in_pack_leaks_nothing(
-    spec_ctx: ParallelContext,
+@pytest.mark.parametrize("overlap", [False, True])
+def test_world_1_padded_speculative_steps_equal_plain_decoding(
+    spec_ctx: ParallelContext, overlap: bool
 ) -> None:
+    fmap = FutureMap(64, device="cpu", debug=True)
+    sched = ContinuousBatcher(_spec_specs(), fmap, eos=5, max_running=3, speculative=3)
+    shapes: list[tuple[int, int]] = []
+    runtime = _spec_runtime(spec_ctx, fmap, overlap=overlap, buckets=Buckets((16, 32), (2, 4)))
+    forward = runtime.model.forward
+
+    def recording(batch: Any, hidden: Any = None) -> Any:
+        shapes.append((batch.input_ids.numel(), batch.seg_starts.numel() - 1))
+        return forward(batch, hidden)
+
+    runtime.model.forward = recording  # type: ignore[method-assign]
+    runtime.run(sched)
+    assert sched.outputs == _single(_spec_specs())
+    assert fmap.in_use == 0 and sched.drafted_tokens > 0
+    assert {r for r, _ in shapes} <= {16, 32} and {q for _, q in shapes} <= {2, 4}
+
+
+def test_world_1_speculative_a_fault_in_pack_leaks_nothing(spec_ctx: ParallelContext) -> None:
     fmap = FutureMap(64, device="cpu")
-    with pytest.raises(ValueError, match="speculative run takes no buckets"):
-        _spec_runtime(spec_ctx, fmap, buckets=Buckets((8,), (4,)))
     sched = ContinuousBatcher(_spec_specs(), fmap, eos=5, max_running=3, speculative=3)
     with pytest.raises(InjectedFault):
         _spec_runtime(spec_ctx, fmap, faults=FaultPlan(raise_at={"pack": 3})).run(sched)

@@ -1060,6 +1060,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a speculative step given buckets runs unpadded: the model sees every step's own shape",
     ),
     Mutant(
+        "dist-spec-buckets-dropped",
+        "tfuture/distributed/spec_step.py",
+        "            check=check,\n            buckets=buckets,\n",
+        "            check=check,\n            buckets=None,\n",
+        ("tests/distributed/test_dist_single.py",),
+        "a parallel speculative run given buckets runs unpadded on every rank",
+    ),
+    Mutant(
         "multistep-fast-path-past-the-length-limit",
         "tfuture/scheduler/drafting.py",
         "len(r.out) + len(got) < r.spec.max_new",

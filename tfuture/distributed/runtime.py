@@ -41,7 +41,7 @@ class ParallelRuntime:
     speculative (:class:`tfuture.distributed.spec_step.ParallelSpecStep`): the schedulers give
     :class:`tfuture.spec.DraftBatch` objects (``ContinuousBatcher(speculative=k)``), every rank
     passes a drafter with the same ``k`` and the last stage's tensor rank 0 verifies and drafts.
-    It takes no ``buckets``.
+    ``buckets`` pad its steps as they pad a plain run's.
 
     ``windows``: run multi-step decode windows
     (:class:`tfuture.distributed.window_step.ParallelWindowStep`): the schedulers may be
@@ -88,12 +88,10 @@ class ParallelRuntime:
             self.kind = ParallelWindowStep(model, ctx, check=self.check, sampler=sampler)
         elif speculative is None:
             self.kind = ParallelStep(model, ctx, check=self.check, buckets=buckets, sampler=sampler)
-        elif buckets is not None:
-            raise ValueError(
-                f"a speculative run takes no buckets (its steps are never padded), got buckets={buckets!r}"
-            )
         else:
-            self.kind = ParallelSpecStep(model, ctx, speculative, check=self.check, sampler=sampler)
+            self.kind = ParallelSpecStep(
+                model, ctx, speculative, check=self.check, sampler=sampler, buckets=buckets
+            )
         self.runtime = OverlapRuntime(
             self.kind, fmap, overlap=overlap, stream=stream, delay=delay, faults=faults, trace=trace
         )

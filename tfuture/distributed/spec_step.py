@@ -37,6 +37,7 @@ from tfuture.sampling import Sampler
 from tfuture.spec.drafter import Drafter
 from tfuture.spec.step import SpecState, SpecTokenStep
 from tfuture.steps.base import InFlight, Op
+from tfuture.steps.token import Buckets
 
 __all__ = ["ParallelSpecStep"]
 
@@ -47,8 +48,8 @@ class MicroSpecState(MicroState, SpecState):
 
 class ParallelSpecStep(ParallelStep, SpecTokenStep):
     """Runs ``model`` (this rank's :class:`StageModel`) as its part of a speculative ``tp x pp``
-    run with ``drafter`` (see the module docstring). ``check`` and ``sampler`` as for
-    :class:`ParallelStep`; no ``buckets`` (a speculative step is never padded)."""
+    run with ``drafter`` (see the module docstring). ``check``, ``sampler`` and ``buckets`` as
+    for :class:`ParallelStep` (padding as :class:`tfuture.spec.SpecTokenStep` pads)."""
 
     state_type = MicroSpecState
     keeps_out = True
@@ -66,10 +67,16 @@ class ParallelSpecStep(ParallelStep, SpecTokenStep):
         *,
         check: bool = False,
         sampler: Sampler | None = None,
+        buckets: Buckets | None = None,
     ) -> None:
         self.take_drafter(drafter)
         ParallelStep.__init__(
-            self, model, ctx, check=check, sampler=sampler if sampler is not None else Sampler()
+            self,
+            model,
+            ctx,
+            check=check,
+            buckets=buckets,
+            sampler=sampler if sampler is not None else Sampler(),
         )
         self.drafts = self.samples
 

@@ -19,8 +19,8 @@ Penalties: each verification row is scored with the history its token would have
 (:mod:`tfuture.spec.penalties`). Tensor and pipeline parallel runs use it through
 :class:`tfuture.distributed.spec_step.ParallelSpecStep`. ``buckets=`` pads its steps as the
 token step pads its own (bucket-sized token rows and request counts for the model; verification,
-drafting and the slots see the real requests only). Not yet: step graphs with drafts, and
-``buckets`` under ``ParallelRuntime(speculative=...)``, which refuses them by name.
+drafting and the slots see the real requests only; ``ParallelRuntime(speculative=...,
+buckets=...)`` pads every rank's steps the same way). Not yet: step graphs with drafts.
 """
 
 from __future__ import annotations

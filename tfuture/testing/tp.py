@@ -118,7 +118,8 @@ class ParallelTransformer:
 
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """First stage: ``hidden`` None, embeds ``batch.input_ids``. Returns the hidden state
-        ``[n_tokens, d_model]`` float64, or on the last stage the logits ``[n_sample, vocab]``."""
+        ``[rows, d_model]`` float64 (``rows``: the step's token rows, a bucket's padding rows
+        zero), or on the last stage the logits ``[n_sample, vocab]``."""
         if self.work_s > 0:
             if self.device.type == "cuda":
                 torch.cuda._sleep(int(self.work_s * 1.9e9))
@@ -133,7 +134,7 @@ class ParallelTransformer:
         if hidden is None:
             x = self.embed[batch.input_ids[:n].to(torch.int64)] + self.pos[pos]
         else:
-            x = hidden
+            x = hidden[:n]  # a padded step's hidden state has a row per padded token row
         visible = torch.arange(self.max_len, device=self.device)[None, :] <= pos[:, None]  # [n, L]
         for (wq, wk, wv, wo, up, down), kc, vc in zip(self.layers, self.k_cache, self.v_cache, strict=True):
             h = _norm(x)
@@ -145,7 +146,8 @@ class ParallelTransformer:
             x = x + self._all_reduce(attn @ wo)
             x = x + self._all_reduce(torch.relu(_norm(x) @ up) @ down)
         if not self.last:
-            return x
+            rows = batch.input_ids.numel()  # padded to a bucket: zero rows after the real ones
+            return x if rows == n else torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
         if batch.sample_rows.numel() == 0:  # the same on every rank of the stage: no all_gather
             return torch.zeros(0, self.vocab, dtype=torch.float64, device=self.device)
         local = _norm(x.index_select(0, batch.sample_rows)) @ self.head
