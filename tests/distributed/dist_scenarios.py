@@ -22,6 +22,7 @@ from tfuture.core.batch import Batch, StepResult
 from tfuture.distributed import ParallelContext, ParallelRuntime, init_parallel
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler, SamplingParams
+from tfuture.steps.token import Buckets
 from tfuture.testing import ContinuousBatcher, ToyGrammar, random_workload
 from tfuture.testing.faults import random_delay
 from tfuture.testing.tp import ParallelTransformer, split_round_robin
@@ -142,23 +143,30 @@ def _map_digest(fmap: FutureMap) -> str:
 
 
 def equivalence(rank: int, world: int, port: int, tp: int, pp: int, debug_run: bool = True) -> dict[str, Any]:
-    """Sync, overlap under random stream delays, and (``debug_run``) overlap in debug mode."""
+    """Sync, overlap under random stream delays, and (``debug_run``) overlap in debug mode and
+    overlap in debug mode with every step padded to ``Buckets``."""
     ctx = join(rank, world, port, tp, pp)
     runs: dict[str, Any] = {}
     variants = [
-        ("sync", False, None, False),
-        ("overlap_delayed", True, random_delay(100 + rank, p=0.3, max_s=2e-3), False),
-        ("overlap_debug", True, None, True),
+        ("sync", False, None, False, None),
+        ("overlap_delayed", True, random_delay(100 + rank, p=0.3, max_s=2e-3), False, None),
+        ("overlap_debug", True, None, True, None),
+        ("overlap_padded", True, None, True, Buckets(rows=(4, 8, 16), reqs=(2, 4))),
     ]
     try:
-        for name, overlap, delay, debug in variants if debug_run else variants[:2]:
+        for name, overlap, delay, debug, buckets in variants if debug_run else variants[:2]:
             fmap = FutureMap(64, device="cpu", debug=debug)
             groups = [
                 ContinuousBatcher(part, fmap, eos=EOS, max_running=2)
                 for part in split_round_robin(workload(), pp)
             ]
             runtime = ParallelRuntime(
-                ParallelTransformer(ctx=ctx, **MODEL), fmap, ctx, overlap=overlap, delay=delay
+                ParallelTransformer(ctx=ctx, **MODEL),
+                fmap,
+                ctx,
+                overlap=overlap,
+                delay=delay,
+                buckets=buckets,
             )
             stats = runtime.run(groups)
             outputs: dict[int, list[int]] = {}
