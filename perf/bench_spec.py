@@ -15,7 +15,9 @@ model's own greedy continuation of it, the prefix again: prompt lookup finds its
 output still repeats itself, which prompt lookup also finds). Model steps per generated token
 are the run's steps times the batch over its tokens: 1 for plain decoding, down to
 ``1 / (k + 1)`` when every draft is accepted. Acceptance rates (accepted over drafted) go to
-``summary.json``. Needs the ``hf`` extra.
+``summary.json``, with a ceiling per batch size (:func:`forward_ratio`): the bare HF forward of
+``k + 1`` tokens per request over one, and the n-gram speed-up it leaves at the measured steps
+per token. Needs the ``hf`` extra.
 """
 
 from __future__ import annotations
@@ -127,6 +129,29 @@ def measure() -> dict[tuple[str, int, str], np.ndarray]:
     return got
 
 
+def forward_ratio(model: Any, batch: int, repeats: int = harness.sweep([25], [5])[0]) -> float:
+    """Median time of the bare HF forward of ``K + 1`` new tokens per request over one new token
+    per request (``batch`` requests, a cache of 96 positions, the model's own cache and logits
+    for every new position, as verification needs them), interleaved. With ``s`` model steps
+    per generated token, a drafter's tokens/s over plain decoding cannot pass
+    ``1 / (s * ratio)`` while the forward dominates the step: the ceiling in the summary."""
+    ids = torch.randint(3, VOCAB, (batch, 96), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = model(input_ids=ids.to(DEVICE), use_cache=True).past_key_values
+
+        def once(n: int) -> float:
+            c = copy.deepcopy(cache)
+            x = torch.randint(3, VOCAB, (batch, n)).to(DEVICE)
+            t0 = time.perf_counter()
+            model(input_ids=x, past_key_values=c, use_cache=True)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        got = harness.interleaved({"one": lambda: once(1), "verify": lambda: once(K + 1)}, repeats)
+    return float(np.median(got["verify"]) / np.median(got["one"]))
+
+
 def _benchmark(workload: str, metric: str) -> triton.testing.Benchmark:
     tokens = metric == "tokens"
     return harness.batch_sweep(
@@ -195,6 +220,14 @@ def main() -> None:
                     np.median(measure()[(workload, batch, f"{d} {m}")][:, 0]) for m in ("overlap", "sync")
                 )
                 summary[f"{workload} b{batch} {d}"] = {"overlap_over_sync": round(float(over / sync), 3)}
+    model = build()
+    for batch in BATCHES:
+        ratio = forward_ratio(model, batch)
+        steps = summary[f"repetitive b{batch} ngram overlap"]["steps_per_token"]
+        summary[f"forward b{batch}"] = {
+            "verify_over_one_token": round(ratio, 3),
+            "ngram_repetitive_ceiling_over_plain": round(1 / (steps * ratio), 3),
+        }
     harness.record("spec", summary)
     for key, row in summary.items():
         print(f"bench_spec {key}: {row}")

@@ -199,16 +199,17 @@ def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, n
     """Call every run once per repeat, in turn, so that a slow spell of a shared machine hits
     them all; ``{name: [repeats, ...] array of what each call returned}``.
 
-    The turn order rotates by one each repeat, so that no run always follows the same other
-    one: on the CPU machine the run after a switch of configuration (another engine, Hugging
-    Face's ``generate``) ran several percent slower than the next one, and a fixed order put
-    that cost on the same line every repeat (in one A/B, overlap listed before sync lost 6-12% to
-    sync, and listed after it won by as much)."""
+    The turn order reverses every other repeat, so that each run follows its neighbour on one
+    side as often as on the other: on the CPU machine the run after a change of configuration
+    (another engine or drafter, Hugging Face's ``generate``) ran several percent slower than the
+    next one, and a fixed order (or a rotated one, which keeps each run's predecessor) put that
+    cost on the same lines every repeat: of a listed (overlap, sync) pair, overlap always came
+    after another configuration and sync after its overlap run (in one A/B, overlap listed
+    before sync lost 6-12% to it, and listed after it won by as much)."""
     out: dict[str, list[Any]] = {name: [] for name in runs}
     items = list(runs.items())
     for r in range(repeats):
-        k = r % len(items) if items else 0
-        for name, run in items[k:] + items[:k]:
+        for name, run in items if r % 2 == 0 else items[::-1]:
             out[name].append(run())
     return {name: np.asarray(v, dtype=float) for name, v in out.items()}
 
