@@ -49,7 +49,9 @@ VOCAB, HIDDEN, LAYERS = 1024, 128, 4
 CANNOT_RUN: list[str] = []
 
 
+@functools.cache
 def build() -> Any:
+    """The target model, built once (``measure`` and :func:`forward_ratio` share it)."""
     from tfuture.examples.hf import build_llama
 
     return build_llama(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, seed=0).to(DEVICE)

@@ -205,7 +205,8 @@ def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, n
     next one, and a fixed order (or a rotated one, which keeps each run's predecessor) put that
     cost on the same lines every repeat: of a listed (overlap, sync) pair, overlap always came
     after another configuration and sync after its overlap run (in one A/B, overlap listed
-    before sync lost 6-12% to it, and listed after it won by as much)."""
+    before sync lost 6-12% to it, and listed after it won by as much: an ad hoc run; ``python -m
+    perf.stream_ab 1 plain --fixed`` against the same without ``--fixed`` measures the effect)."""
     out: dict[str, list[Any]] = {name: [] for name in runs}
     items = list(runs.items())
     for r in range(repeats):

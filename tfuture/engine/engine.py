@@ -108,7 +108,7 @@ class Engine:
             streams on a GPU and, on the CPU, the ``"inline"`` stream: the forward runs on the
             runtime's own thread. A worker thread (``stream="worker"``) has little to overlap
             there: the host's Python and a Hugging Face forward's Python share the GIL, and its
-            two handoffs a step cost more than they hide (``python -m perf bench_generate``).
+            two handoffs a step cost more than they hide (``python -m perf.stream_ab 8 ngram``).
         speculative: a drafter (:class:`tfuture.NGramDrafter`, :class:`tfuture.ModelDrafter`,
             or a :class:`tfuture.spec.Drafter` of your own): every request verifies ``k`` drafts
             a step (greedy output equal to plain decoding; sampled output following the model's
