@@ -970,6 +970,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "greedy verification accepts every draft, right or wrong",
     ),
     Mutant(
+        "verify-greedy-host-accepts-any",
+        "tfuture/spec/verify.py",
+        "while j < v and proposed[row + j] == target[row + j] >= 0:",
+        "while j < v:",
+        SPEC_HF,
+        "the CPU's greedy verification accepts every draft: output differs from plain decoding",
+    ),
+    Mutant(
+        "ngram-index-earliest-match",
+        "tfuture/spec/ngram_cpu.py",
+        "ends[tuple(tokens[p + 1 - size : p + 1])] = p",
+        "ends.setdefault(tuple(tokens[p + 1 - size : p + 1]), p)",
+        SPEC_VERIFY,
+        "the CPU's prompt lookup keeps the earliest match of an n-gram instead of the latest",
+    ),
+    Mutant(
         "spec-positions-from-host-bound",
         "tfuture/spec/step.py",
         "delta = base - inputs.spec_prefix",

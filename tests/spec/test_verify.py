@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from tfuture.core.batch import ForwardBatch, HostMeta
 from tfuture.core.params import SamplingParams, pack_params
 from tfuture.sampling.draws import device_draws, uniform_draws
 from tfuture.sampling.filters import sorted_probs
 from tfuture.spec import DraftBatch, DraftContext, NGramDrafter
-from tfuture.spec.verify import row_params, verify_rows
+from tfuture.spec.verify import row_params, verify_greedy_host, verify_rows
 
 V = 6
 
@@ -122,6 +123,37 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
     assert v.n_commit.tolist() == [2] and v.committed.tolist() == [[1, 0, -1, -1]] and v.last.tolist() == [0]
 
 
+def test_greedy_host_verification_equals_the_device_rule() -> None:
+    """verify_greedy_host (the CPU's loop) against verify_rows' greedy rule: random drafts that
+    often equal the argmax, requests of 0 to 4 drafts, rows with no real logit (-inf, NaN)."""
+    rng = np.random.default_rng(7)
+    rp = row_params(pack_params([SamplingParams(temperature=0)]))
+    for trial in range(40):
+        nv = rng.integers(0, 5, size=int(rng.integers(1, 7)))
+        n, width, rows = nv.size, int(nv.max()) + 1, int((nv + 1).sum())
+        logits = torch.from_numpy(rng.normal(size=(rows, 5)))
+        bad = rng.random(rows) < 0.1
+        logits[torch.from_numpy(bad)] = float("nan") if trial % 2 else float("-inf")
+        target = logits.argmax(dim=1).numpy()
+        drafts = np.where(rng.random(rows) < 0.7, target, rng.integers(0, 5, rows))
+        owner = np.repeat(np.arange(n), nv + 1)
+        j = np.arange(rows) - np.repeat(np.cumsum(nv + 1) - nv - 1, nv + 1)
+        want = verify_rows(
+            logits,
+            torch.from_numpy(drafts),
+            torch.from_numpy(j < nv[owner]),
+            torch.from_numpy(owner * width + j),
+            n,
+            width,
+            rp,
+            None,
+            torch.arange(rows),
+        )
+        got = verify_greedy_host(logits, drafts, nv, n, width)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), trial
+
+
 def _history(tokens: list[int]) -> tuple[NGramDrafter, DraftContext]:
     d = NGramDrafter(k=3, max_ngram=3, min_ngram=1)
     d.bind(2, 32, torch.device("cpu"))
@@ -189,7 +221,7 @@ def test_a_verification_row_counts_the_drafts_before_it() -> None:
         assert torch.equal(got[j], want[0]), j
 
 
-def test_ngram_numpy_twin_equals_the_torch_path() -> None:
+def test_ngram_cpu_index_equals_the_torch_path() -> None:
     rng = np.random.default_rng(3)
     for trial in range(30):
         n, vocab = 4, int(rng.integers(2, 6))  # small vocabularies: many matches
@@ -199,7 +231,7 @@ def test_ngram_numpy_twin_equals_the_torch_path() -> None:
         committed = rng.integers(0, vocab, size=(n, 3))
         drafts = []
         max_ngram = int(rng.integers(1, 4))
-        for path in ("numpy", "torch"):
+        for path in ("index", "torch"):
             d = NGramDrafter(k=3, max_ngram=max_ngram)
             d.bind(n, 48, torch.device("cpu"))
             assert d.history is not None
@@ -211,5 +243,71 @@ def test_ngram_numpy_twin_equals_the_torch_path() -> None:
                 torch.from_numpy(lens + 3),
                 44,
             )
-            drafts.append(d.draft(ctx) if path == "numpy" else d._draft_torch(ctx, 44))
+            drafts.append(d.draft(ctx) if path == "index" else d._draft_torch(ctx, 44))
         assert torch.equal(drafts[0], drafts[1]), trial
+
+
+def test_ngram_observe_numpy_equals_the_torch_path() -> None:
+    """The CPU history's observe (numpy) writes what the device path writes: each request's
+    inputs at their positions, positions past the history clamped to its last column."""
+    rng = np.random.default_rng(11)
+    seg = np.array([3, 1, 4])
+    prefix = np.array([0, 5, 29])  # the last request runs past the 32 columns
+    positions = torch.from_numpy(np.concatenate([p + np.arange(s) for p, s in zip(prefix, seg, strict=True)]))
+    ids = torch.from_numpy(rng.integers(0, 50, int(seg.sum())))
+    host = HostMeta(seg, prefix, np.array([4, 9, 2]), np.arange(3), int(seg.sum()), int(seg.max()))
+    fwd = ForwardBatch(0, ids, positions, positions, positions, positions, positions, positions, None, host)
+    histories = []
+    for path in ("numpy", "torch"):
+        d = NGramDrafter(k=2)
+        d.bind(3, 32, torch.device("cpu"))
+        d.observe(fwd) if path == "numpy" else d._observe_torch(fwd, host.n_tokens)
+        assert d.history is not None
+        histories.append(d.history)
+    assert histories[0].any() and torch.equal(histories[0], histories[1])
+
+
+def test_ngram_cpu_index_follows_growing_requests_step_after_step() -> None:
+    """The incremental index against the torch path's full scan at every step of a run: prompts
+    written as observe writes them, drafts' junk past each request's length, requests that end
+    and new ones (new ids) on their rows."""
+    rng = np.random.default_rng(5)
+    for trial in range(6):
+        n, k, vocab, width = 3, 3, int(rng.integers(2, 5)), 96
+        max_ngram, min_ngram = int(rng.integers(1, 4)), 1
+        paths = [NGramDrafter(k=k, max_ngram=max_ngram, min_ngram=min_ngram) for _ in range(2)]
+        for d in paths:
+            d.bind(n, width, torch.device("cpu"))
+        ids = np.arange(n)
+        lens = np.zeros(n, dtype=np.int64)
+        next_id = n
+        for step in range(30):
+            for i in range(n):
+                if lens[i] == 0 or lens[i] > width - k - 3:  # a new request on this row: its prompt
+                    if lens[i]:
+                        for d in paths:
+                            d.release(ids[i : i + 1])
+                        ids[i], next_id = next_id, next_id + 1
+                    lens[i] = int(rng.integers(1, 20))
+                    prompt = torch.from_numpy(rng.integers(0, vocab, lens[i]))
+                    for d in paths:
+                        assert d.history is not None
+                        d.history[d._host_rows(ids[i : i + 1])[0], : lens[i]] = prompt
+            nc = rng.integers(1, k + 2, size=n)
+            committed = np.full((n, k + 1), -1)
+            for i in range(n):
+                committed[i, : nc[i]] = rng.integers(0, vocab, nc[i])
+                for d in paths:  # what observe wrote past the length: the verified drafts
+                    assert d.history is not None
+                    junk = torch.from_numpy(rng.integers(0, vocab, k))
+                    d.history[d._host_rows(ids[i : i + 1])[0], lens[i] : lens[i] + k] = junk
+            lens += nc
+            ctx = DraftContext(
+                ids.copy(),
+                torch.from_numpy(committed),
+                torch.from_numpy(nc),
+                torch.from_numpy(lens.copy()),
+                width,
+            )
+            got, want = paths[0].draft(ctx), paths[1]._draft_torch(ctx, width)
+            assert torch.equal(got, want), (trial, step)

@@ -1,54 +1,89 @@
-"""The numpy twin of :meth:`tfuture.spec.NGramDrafter.draft` for a history on the CPU.
+"""Prompt lookup for a history on the CPU: an incremental n-gram index per request.
 
-Same drafts as the torch path (a test compares them), with numpy ops on small arrays (about a
-microsecond each, against several for a torch op): the drafter runs on the CPU worker every
-step. The match is incremental: ``hit`` marks positions ``p`` where the ``n`` tokens ending at
-``p`` equal the request's last ``n``, built from ``n - 1`` with one comparison per ``n``.
+Same drafts as :meth:`tfuture.spec.NGramDrafter._draft_torch` (a test compares them step after
+step), with a cost per step that grows with the tokens a request committed, not with its length:
+each request keeps its final tokens (every position before its ``seq_len``) and, per ``n``, a
+dict from each ``n``-gram to the latest position where one ends that has a continuation
+(``p <= len - 2``). A step adds the n-grams its new positions complete and looks up the request's
+last ``n`` tokens, ``n`` from ``max_ngram`` down to ``min_ngram``: a few dict operations per
+request where the vectorised match scanned every position (tens of numpy calls of several
+microseconds each, every step, on the CPU worker's critical path).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["draft_numpy"]
+__all__ = ["NGramIndex"]
 
 
-def draft_numpy(
-    hist: np.ndarray,
-    rows: np.ndarray,
-    committed: np.ndarray,
-    n_commit: np.ndarray,
-    seq_lens: np.ndarray,
-    bound: int,
-    k: int,
-    max_ngram: int,
-    min_ngram: int,
-) -> np.ndarray:
-    """Write each request's committed tokens into ``hist`` (``[rows, max_len]`` int64, in place)
-    and return ``[n, k]`` int64 drafts (see :class:`tfuture.spec.NGramDrafter`)."""
-    n, width = committed.shape
-    max_len = hist.shape[1]
-    lens = np.clip(seq_lens, 1, max_len)
-    take = np.minimum(np.arange(width), (n_commit - 1)[:, None])
-    pos = np.clip((lens - n_commit)[:, None] + take, 0, max_len - 1)
-    hist[rows[:, None], pos] = np.take_along_axis(committed, take, 1)
-    h = hist[rows, :bound]
-    lens = np.minimum(lens, bound)
-    ends = np.arange(bound)
-    # A match must end before the last token: its continuation starts at p + 1 <= len - 1.
-    hit = ends <= (lens - 2)[:, None]
-    at = np.arange(n)
-    cont = np.full(n, -1, dtype=np.int64)
-    for size in range(1, max_ngram + 1):
-        if size > bound:
-            break
-        tail = h[at, np.maximum(lens - size, 0)]
-        hit[:, size - 1 :] &= h[:, : bound - size + 1] == tail[:, None]
-        hit[:, : size - 1] = False
-        hit &= (lens > size)[:, None]
-        if size >= min_ngram:
-            latest = np.where(hit, ends, -1).max(axis=1)
-            cont = np.where(latest >= 0, latest + 1, cont)  # a longer match wins
-    picks = np.minimum(cont[:, None] + np.arange(k), (lens - 1)[:, None])
-    last = h[at, lens - 1]
-    return np.where((cont >= 0)[:, None], np.take_along_axis(h, np.maximum(picks, 0), 1), last[:, None])
+class _Lookup:
+    """One request's final tokens and its n-gram index (``ends[n - 1]``: n-gram -> latest end)."""
+
+    __slots__ = ("ends", "indexed", "tokens")
+
+    def __init__(self, max_ngram: int) -> None:
+        self.tokens: list[int] = []
+        self.ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]
+        self.indexed = 0  # the n-grams ending at positions < indexed are in ``ends``
+
+
+class NGramIndex:
+    """The per-request indexes of an :class:`tfuture.spec.NGramDrafter` on the CPU."""
+
+    def __init__(self, k: int, max_ngram: int, min_ngram: int) -> None:
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self._by_req: dict[int, _Lookup] = {}
+
+    def draft(
+        self,
+        hist: np.ndarray,
+        req_ids: np.ndarray,
+        rows: np.ndarray,
+        committed: np.ndarray,
+        n_commit: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> np.ndarray:
+        """Write each request's committed tokens into ``hist`` (``[rows, max_len]`` int64, in
+        place: its first ``n_commit[i]`` of ``committed [n, W]`` end at ``seq_lens[i] - 1``) and
+        return ``[n, k]`` int64 drafts. ``hist`` holds every earlier position of each request
+        (its prompt, from the drafter's ``observe``, and its earlier committed tokens)."""
+        n = committed.shape[0]
+        width = hist.shape[1]
+        out = np.empty((n, self.k), dtype=np.int64)
+        for i, (rid, row, nc, length) in enumerate(
+            zip(req_ids.tolist(), rows.tolist(), n_commit.tolist(), seq_lens.tolist(), strict=True)
+        ):
+            length = min(max(length, 1), width)
+            nc = min(max(nc, 1), length)
+            hist[row, length - nc : length] = committed[i, :nc]
+            look = self._by_req.get(rid)
+            if look is None or length < len(look.tokens):  # new, or shorter (never in a run): anew
+                look = self._by_req[rid] = _Lookup(self.max_ngram)
+            out[i] = self._one(look, hist[row], length)
+        return out
+
+    def _one(self, look: _Lookup, row: np.ndarray, length: int) -> list[int]:
+        tokens = look.tokens
+        if length > len(tokens):
+            tokens.extend(row[len(tokens) : length].tolist())
+        # The n-grams ending at p <= length - 2 have a continuation (at p + 1 <= length - 1).
+        for p in range(look.indexed, length - 1):
+            for size, ends in enumerate(look.ends, start=1):
+                if size > p + 1:
+                    break
+                ends[tuple(tokens[p + 1 - size : p + 1])] = p
+        look.indexed = max(look.indexed, length - 1)
+        last = tokens[length - 1]
+        for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            end = look.ends[size - 1].get(tuple(tokens[length - size : length]))
+            if end is not None:
+                return [tokens[min(end + 1 + j, length - 1)] for j in range(self.k)]
+        return [last] * self.k
+
+    def release(self, req_ids: np.ndarray) -> None:
+        for rid in req_ids.tolist():
+            self._by_req.pop(rid, None)
+
+    def clear(self) -> None:
+        self._by_req.clear()

@@ -44,7 +44,7 @@ from tfuture.spec.penalties import (
     record_committed,
 )
 from tfuture.spec.staging import stage_drafts
-from tfuture.spec.verify import RowParams, Verified, verify_rows
+from tfuture.spec.verify import RowParams, Verified, verify_greedy_host, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import check_rows, check_width, mask_on_stream
 from tfuture.steps.token import TokenStep
@@ -254,6 +254,10 @@ class SpecTokenStep(TokenStep):
             # No request verifies a draft and none samples: verification is the argmax.
             last = greedy_tokens(logits)
             v = Verified(last.unsqueeze(1), torch.ones_like(last), last)
+        elif dev_params is None and logits.device.type == "cpu":
+            # Greedy rows on the CPU: the acceptance in a host loop (see verify_greedy_host).
+            drafts = fwd.input_ids.numpy()[inputs.draft_src.numpy()]
+            v = verify_greedy_host(logits, drafts, inputs.n_verify.numpy(), n, state.width)
         else:
             drafts = fwd.input_ids.index_select(0, inputs.draft_src).to(torch.int64)
             positions = fwd.positions.index_select(0, inputs.vrows) + 1
