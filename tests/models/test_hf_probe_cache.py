@@ -1,7 +1,7 @@
 """The construction probe runs once per model: wrapping the same model again (every
 ``tfuture.generate`` call wraps it) reuses its result while nothing the probe looked at changed,
-and probes again when a layer is swapped or patched, the attention or ``max_len`` changes, or
-the last probe refused."""
+and probes again when a layer is swapped or patched, the attention or ``max_len`` changes (a few
+results are kept per model), or the last probe refused."""
 
 from __future__ import annotations
 
@@ -95,6 +95,23 @@ def test_a_swapped_or_patched_layer_another_max_len_or_attention_is_probed_again
     HFCausalLM(other, max_requests=2, max_len=24)
     HFCausalLM(other, max_requests=2, max_len=24)
     assert counted.n == 1
+
+
+def test_alternating_max_len_finds_each_probe_kept():
+    """Engines that alternate (with and without drafts: their max_len differs) each find their
+    own probe; the oldest of more than a few per model is probed again."""
+    model = build_llama()
+    forwards = _Forwards(model)
+    for _ in range(3):
+        HFCausalLM(model, max_requests=2, max_len=16)
+        HFCausalLM(model, max_requests=2, max_len=21)
+    assert forwards.n == 2
+    for max_len in range(30, 30 + hf_module._PROBED_PER_MODEL):
+        HFCausalLM(model, max_requests=2, max_len=max_len)
+    assert forwards.n == 2 + hf_module._PROBED_PER_MODEL
+    HFCausalLM(model, max_requests=2, max_len=30)  # still kept
+    HFCausalLM(model, max_requests=2, max_len=16)  # the oldest: dropped
+    assert forwards.n == 3 + hf_module._PROBED_PER_MODEL
 
 
 def test_a_refusal_is_not_kept():

@@ -156,15 +156,19 @@ def _direct_exact(model: Any, inner: str, calls: list[Call]) -> bool:
 
 # Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
 # same modules, attention and windows skips the probe, a whole forward (~30 ms at 80M parameters).
-_PROBED: weakref.WeakKeyDictionary[Any, tuple[tuple[object, ...], Shapes]] = weakref.WeakKeyDictionary()
+# A few keys per model: engines that alternate (with and without drafts: max_len differs) each
+# find their own (one entry re-probed at every switch, about 12 ms at 3M parameters).
+_PROBED: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], Shapes]] = weakref.WeakKeyDictionary()
 _PROBED_LOCK = threading.Lock()
+_PROBED_PER_MODEL = 8
 
 
 def probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> Shapes:
     """:func:`_probe`, or its result for this model when nothing it depends on changed since: the
     same attention, ``max_len`` and windows, and the same module objects with the same classes,
     class ``forward`` functions and instance ``forward`` overrides (a layer swapped, or patched
-    on itself or on its class, is probed again). Refusals are not kept."""
+    on itself or on its class, is probed again). The latest few results per model are kept;
+    refusals are not."""
     key = (
         inner,
         max_len,
@@ -173,9 +177,13 @@ def probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
     )
     with _PROBED_LOCK:
         seen = _PROBED.get(model)
-    if seen is not None and seen[0] == key:
-        return seen[1]
+        shapes = None if seen is None else seen.get(key)
+    if shapes is not None:
+        return shapes
     shapes = _probe(model, inner, max_len, windows)
     with _PROBED_LOCK:
-        _PROBED[model] = (key, shapes)
+        seen = _PROBED.setdefault(model, {})
+        seen[key] = shapes
+        while len(seen) > _PROBED_PER_MODEL:
+            del seen[next(iter(seen))]  # the oldest
     return shapes
