@@ -988,8 +988,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "spec-positions-from-host-bound",
         "tfuture/spec/step.py",
-        "delta = base - inputs.spec_prefix",
-        "delta = 0 * (base - inputs.spec_prefix)",
+        "delta = seq_len.numpy()[inputs.spec_slots.numpy()] - 1 - inputs.spec_prefix.numpy()",
+        "delta = 0 * (seq_len.numpy()[inputs.spec_slots.numpy()] - 1 - inputs.spec_prefix.numpy())",
         SPEC_HF,
         "a verifying request's positions come from the host's bound, not the accepted length: "
         "the KV rows are not rolled back (rejected drafts' keys stay in the attention)",

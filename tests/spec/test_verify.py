@@ -154,6 +154,44 @@ def test_greedy_host_verification_equals_the_device_rule() -> None:
             assert torch.equal(a, b), trial
 
 
+def test_true_positions_numpy_equals_the_torch_path() -> None:
+    """A verifying request's positions and seq_len move from the host's bound to its previous
+    step's seq_len field (minus its last token), on the CPU (numpy) as on the device (torch);
+    the other requests' rows and the inputs themselves are untouched."""
+    from types import SimpleNamespace
+
+    from tfuture.spec.step import true_positions, true_positions_numpy
+
+    seg = np.array([3, 1, 5, 2])  # requests 0 and 2 verify (2 and 4 drafts), 1 and 3 do not
+    prefix = np.array([20, 7, 40, 11])
+    positions = np.concatenate([p + np.arange(n) for p, n in zip(prefix, seg, strict=True)])
+    seq_lens = prefix + seg
+    field = torch.arange(100, dtype=torch.int64) * 3  # slot s holds seq_len 3 * s
+    starts = np.cumsum(seg) - seg
+    spec = np.array([0, 2])
+    tok = np.concatenate([starts[q] + np.arange(seg[q]) for q in spec])
+    of = np.repeat(np.arange(spec.size), seg[spec])
+    inputs = SimpleNamespace(
+        spec_slots=torch.tensor([5, 12]),
+        spec_prefix=torch.from_numpy(prefix[spec]),
+        spec_tok=torch.from_numpy(tok),
+        spec_tok_of=torch.from_numpy(of),
+        spec_reqs=torch.from_numpy(spec),
+    )
+    fwd = SimpleNamespace(
+        positions=torch.from_numpy(positions.copy()), seq_lens=torch.from_numpy(seq_lens.copy())
+    )
+    got, want = true_positions_numpy(fwd, inputs, field), true_positions(fwd, inputs, field)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    true_prefix = np.array([3 * 5 - 1, 7, 3 * 12 - 1, 11])
+    assert got[1].tolist() == (true_prefix + seg).tolist()
+    assert (
+        got[0].tolist()
+        == np.concatenate([p + np.arange(n) for p, n in zip(true_prefix, seg, strict=True)]).tolist()
+    )
+    assert fwd.positions.tolist() == positions.tolist() and fwd.seq_lens.tolist() == seq_lens.tolist()
+
+
 def _history(tokens: list[int]) -> tuple[NGramDrafter, DraftContext]:
     d = NGramDrafter(k=3, max_ngram=3, min_ngram=1)
     d.bind(2, 32, torch.device("cpu"))

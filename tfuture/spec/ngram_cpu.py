@@ -44,29 +44,36 @@ class NGramIndex:
         n_commit: np.ndarray,
         seq_lens: np.ndarray,
     ) -> np.ndarray:
-        """Write each request's committed tokens into ``hist`` (``[rows, max_len]`` int64, in
-        place: its first ``n_commit[i]`` of ``committed [n, W]`` end at ``seq_lens[i] - 1``) and
-        return ``[n, k]`` int64 drafts. ``hist`` holds every earlier position of each request
-        (its prompt, from the drafter's ``observe``, and its earlier committed tokens)."""
-        n = committed.shape[0]
+        """``[n, k]`` int64 drafts: request ``i`` committed the first ``n_commit[i]`` of
+        ``committed [n, W]``, ending at ``seq_lens[i] - 1``. ``hist`` (``[rows, max_len]`` int64)
+        holds each request's earlier positions that its index has not read yet (its prompt,
+        from the drafter's ``observe``); committed tokens are kept here, not written there."""
         width = hist.shape[1]
-        out = np.empty((n, self.k), dtype=np.int64)
-        for i, (rid, row, nc, length) in enumerate(
-            zip(req_ids.tolist(), rows.tolist(), n_commit.tolist(), seq_lens.tolist(), strict=True)
+        out = np.empty((committed.shape[0], self.k), dtype=np.int64)
+        for i, (rid, row, got, nc, length) in enumerate(
+            zip(
+                req_ids.tolist(),
+                rows.tolist(),
+                committed.tolist(),
+                n_commit.tolist(),
+                seq_lens.tolist(),
+                strict=True,
+            )
         ):
             length = min(max(length, 1), width)
             nc = min(max(nc, 1), length)
-            hist[row, length - nc : length] = committed[i, :nc]
             look = self._by_req.get(rid)
-            if look is None or length < len(look.tokens):  # new, or shorter (never in a run): anew
+            if look is None or len(look.tokens) > length - nc:  # new, or positions again: anew
                 look = self._by_req[rid] = _Lookup(self.max_ngram)
-            out[i] = self._one(look, hist[row], length)
+            tokens = look.tokens
+            if len(tokens) < length - nc:  # the prompt (the first draft), as observe wrote it
+                tokens.extend(hist[row, len(tokens) : length - nc].tolist())
+            tokens.extend(got[:nc])
+            out[i] = self._one(look, length)
         return out
 
-    def _one(self, look: _Lookup, row: np.ndarray, length: int) -> list[int]:
+    def _one(self, look: _Lookup, length: int) -> list[int]:
         tokens = look.tokens
-        if length > len(tokens):
-            tokens.extend(row[len(tokens) : length].tolist())
         # The n-grams ending at p <= length - 2 have a continuation (at p + 1 <= length - 1).
         for p in range(look.indexed, length - 1):
             for size, ends in enumerate(look.ends, start=1):
@@ -74,12 +81,11 @@ class NGramIndex:
                     break
                 ends[tuple(tokens[p + 1 - size : p + 1])] = p
         look.indexed = max(look.indexed, length - 1)
-        last = tokens[length - 1]
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             end = look.ends[size - 1].get(tuple(tokens[length - size : length]))
             if end is not None:
                 return [tokens[min(end + 1 + j, length - 1)] for j in range(self.k)]
-        return [last] * self.k
+        return [tokens[length - 1]] * self.k
 
     def release(self, req_ids: np.ndarray) -> None:
         for rid in req_ids.tolist():

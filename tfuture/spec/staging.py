@@ -15,7 +15,7 @@ import numpy as np
 from tfuture.core.batch import Batch
 from tfuture.sampling.plan import SamplerPlan
 from tfuture.spec.penalties import PenaltyPlan, drop_observations, plan_penalties
-from tfuture.spec.verify import RowParams, row_params
+from tfuture.spec.verify import GREEDY_ROWS, RowParams, row_params
 from tfuture.steps.token_state import TokenInputs
 
 __all__ = ["DRAFT_FIELDS", "DraftInputs", "DraftPlan", "stage_drafts"]
@@ -68,6 +68,21 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return starts[owner] + offsets, owner
 
 
+def _row_plans(
+    packed: np.ndarray,
+    owner: np.ndarray,
+    hist_req: np.ndarray,
+    first_row: np.ndarray,
+    j: np.ndarray,
+    splan: SamplerPlan,
+) -> tuple[RowParams, PenaltyPlan | None]:
+    """The verification rows' parameters and penalties (row ``r`` of request ``owner[r]``),
+    skipped when the sampler plan says no request samples, or none has penalties."""
+    rp = row_params(packed[owner]) if splan.sampled else GREEDY_ROWS
+    pen = plan_penalties(packed[owner], hist_req[owner], first_row, j) if splan.penalized else None
+    return rp, pen
+
+
 def stage_drafts(
     batch: Batch,
     sreq: np.ndarray,
@@ -98,8 +113,7 @@ def stage_drafts(
     vrows, owner = _ranges(ends - 1 - v, v + 1)
     j = vrows - (ends - 1 - v)[owner]
     is_draft = (j < v[owner]).astype(np.int64)
-    rp = row_params(packed[owner]) if n else None
-    pen = plan_penalties(packed[owner], hist_req[owner], (ends - 1 - v)[owner], j) if n else None
+    rp, pen = _row_plans(packed, owner, hist_req, (ends - 1 - v)[owner], j, splan) if n else (None, None)
     spec = np.flatnonzero(n_verify)
     starts = np.cumsum(batch.seg_lens) - batch.seg_lens
     spec_tok, spec_of = _ranges(starts[spec], batch.seg_lens[spec])
@@ -150,8 +164,7 @@ def _stage_plain(
     n = sreq.size
     rows, zeros = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     vrows = np.cumsum(batch.seg_lens)[sreq] - 1 if n else _NONE
-    rp = row_params(packed) if n else None
-    pen = plan_penalties(packed, hist_req, vrows, zeros) if n else None
+    rp, pen = _row_plans(packed, rows, hist_req, vrows, zeros, splan) if n else (None, None)
     params = _NONE
     if rp is not None and rp.sampled:
         params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])

@@ -50,7 +50,7 @@ from tfuture.steps.masks import check_rows, check_width, mask_on_stream
 from tfuture.steps.token import TokenStep
 from tfuture.steps.token_state import Buckets, TokenInputs, TokenState
 
-__all__ = ["SpecTokenStep"]
+__all__ = ["SpecTokenStep", "true_positions", "true_positions_numpy"]
 
 _NONE = np.empty(0, dtype=np.int64)
 
@@ -70,6 +70,26 @@ class SpecState(TokenState):
     verified: Any = None
     new_len: torch.Tensor | None = None
     store_tokens: torch.Tensor | None = None
+
+
+def true_positions(fwd: Any, inputs: Any, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ON THE STREAM: ``fwd``'s positions and seq_lens with each verifying request's host bound
+    (``inputs.spec_prefix``) replaced by its true prefix, its previous step's ``seq_len`` field
+    (``seq_len [slots]`` int64) minus its last token. New tensors; ``fwd``'s are not written."""
+    delta = seq_len.index_select(0, inputs.spec_slots) - 1 - inputs.spec_prefix
+    positions = fwd.positions.clone()
+    positions.index_add_(0, inputs.spec_tok, delta.index_select(0, inputs.spec_tok_of))
+    return positions, fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
+
+
+def true_positions_numpy(fwd: Any, inputs: Any, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`true_positions` on the CPU, with numpy (a few microseconds an op instead of
+    several); a verifying request's token rows are its own, so each row is shifted once."""
+    delta = seq_len.numpy()[inputs.spec_slots.numpy()] - 1 - inputs.spec_prefix.numpy()
+    positions, seq_lens = fwd.positions.numpy().copy(), fwd.seq_lens.numpy().copy()
+    positions[inputs.spec_tok.numpy()] += delta[inputs.spec_tok_of.numpy()]
+    seq_lens[inputs.spec_reqs.numpy()] += delta
+    return torch.from_numpy(positions), torch.from_numpy(seq_lens)
 
 
 class SpecTokenStep(TokenStep):
@@ -200,11 +220,9 @@ class SpecTokenStep(TokenStep):
         if inputs.spec_reqs.numel():
             # The accepted counts stay on the device: each verifying request's true prefix is its
             # previous step's seq_len field minus its last token; the host staged only a bound.
-            base = self.fields.buffer("seq_len").index_select(0, inputs.spec_slots) - 1
-            delta = base - inputs.spec_prefix
-            positions = fwd.positions.clone()
-            positions.index_add_(0, inputs.spec_tok, delta.index_select(0, inputs.spec_tok_of))
-            seq_lens = fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
+            seq_len = self.fields.buffer("seq_len")
+            shift = true_positions_numpy if seq_len.device.type == "cpu" else true_positions
+            positions, seq_lens = shift(fwd, inputs, seq_len)
             fwd = fwd._replace(positions=positions, seq_lens=seq_lens)
         state.fwd = fwd._replace(sample_rows=inputs.vrows)
         if not self.drafts:
@@ -276,8 +294,12 @@ class SpecTokenStep(TokenStep):
         if state.pen is not None:
             assert sampler is not None
             record_committed(sampler.history, inputs.hist_req, v.committed, v.n_commit)
-        real = fwd.seq_lens.index_select(0, inputs.sample_idx)
-        state.new_len = real - inputs.n_verify + v.n_commit
+        if fwd.seq_lens.device.type == "cpu":  # numpy: a few microseconds an op instead of several
+            real = fwd.seq_lens.numpy()[inputs.sample_idx.numpy()]
+            state.new_len = torch.from_numpy(real - inputs.n_verify.numpy() + v.n_commit.numpy())
+        else:
+            real_t = fwd.seq_lens.index_select(0, inputs.sample_idx)
+            state.new_len = real_t - inputs.n_verify + v.n_commit
 
     @staticmethod
     def row_params_on_device(state: SpecState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -325,11 +347,20 @@ class SpecTokenStep(TokenStep):
         if not isinstance(drafts, torch.Tensor) or drafts.shape != (n, self.k):
             got = tuple(drafts.shape) if isinstance(drafts, torch.Tensor) else type(drafts).__name__
             raise ValueError(f"the drafter's draft must return [{n}, {self.k}] token ids, got {got}")
+        top = max(self._vocab_bound() - 1, 0)
+        if v.last.device.type == "cpu":  # numpy: a few microseconds an op instead of several
+            out = np.empty(state.n_out, dtype=np.int64)
+            out[inputs.out_first.numpy()] = np.maximum(v.last.numpy(), 0)
+            if inputs.out_draft.numel():
+                flat = np.clip(drafts.reshape(-1).numpy(), 0, top)
+                out[inputs.out_draft.numpy()] = flat[inputs.draft_at.numpy()]
+            state.store_tokens = torch.from_numpy(out)
+            return
         tokens = torch.empty(state.n_out, dtype=torch.int64, device=v.last.device)
         tokens.index_copy_(0, inputs.out_first, v.last.clamp_min(0))
         if inputs.out_draft.numel():
-            flat = drafts.reshape(-1).to(torch.int64).clamp(0, max(self._vocab_bound() - 1, 0))
-            tokens.index_copy_(0, inputs.out_draft, flat.index_select(0, inputs.draft_at))
+            flat_t = drafts.reshape(-1).to(torch.int64).clamp(0, top)
+            tokens.index_copy_(0, inputs.out_draft, flat_t.index_select(0, inputs.draft_at))
         state.store_tokens = tokens
 
     def _vocab_bound(self) -> int:

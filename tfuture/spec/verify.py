@@ -36,7 +36,15 @@ from tfuture.sampling.draws import device_draws
 from tfuture.sampling.filters import greedy_tokens, inverse_cdf, sorted_probs
 from tfuture.sampling.plan import K_OFF
 
-__all__ = ["ACCEPT_KEY", "RowParams", "Verified", "row_params", "verify_greedy_host", "verify_rows"]
+__all__ = [
+    "ACCEPT_KEY",
+    "GREEDY_ROWS",
+    "RowParams",
+    "Verified",
+    "row_params",
+    "verify_greedy_host",
+    "verify_rows",
+]
 
 #: XOR-ed into a request's seed for its acceptance draws (an odd 62-bit constant: seeds stay
 #: below 2**63, and no acceptance draw is any request's sampling draw at the same position).
@@ -78,6 +86,10 @@ def row_params(packed: np.ndarray) -> RowParams:
         bool(np.count_nonzero(~p_off)),
         bool(np.count_nonzero(floats[2])),
     )
+
+
+#: The :class:`RowParams` of rows that are all greedy (nothing staged: no row samples).
+GREEDY_ROWS = RowParams(np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64), False, False, False, False)
 
 
 class Verified(NamedTuple):
