@@ -307,8 +307,8 @@ def test_ngram_observe_numpy_equals_the_torch_path() -> None:
 
 def test_ngram_cpu_index_follows_growing_requests_step_after_step() -> None:
     """The incremental index against the torch path's full scan at every step of a run: prompts
-    written as observe writes them, drafts' junk past each request's length, requests that end
-    and new ones (new ids) on their rows."""
+    and each step's inputs written as observe writes them (the verified drafts past each
+    request's length), requests that end and new ones (new ids) on their rows, replayed ops."""
     rng = np.random.default_rng(5)
     for trial in range(6):
         n, k, vocab, width = 3, 3, int(rng.integers(2, 5)), 96
@@ -319,9 +319,12 @@ def test_ngram_cpu_index_follows_growing_requests_step_after_step() -> None:
         ids = np.arange(n)
         lens = np.zeros(n, dtype=np.int64)
         next_id = n
+        last = np.zeros(n, dtype=np.int64)
         for step in range(30):
+            fresh = set()
             for i in range(n):
                 if lens[i] == 0 or lens[i] > width - k - 3:  # a new request on this row: its prompt
+                    fresh.add(i)
                     if lens[i]:
                         for d in paths:
                             d.release(ids[i : i + 1])
@@ -335,10 +338,16 @@ def test_ngram_cpu_index_follows_growing_requests_step_after_step() -> None:
             committed = np.full((n, k + 1), -1)
             for i in range(n):
                 committed[i, : nc[i]] = rng.integers(0, vocab, nc[i])
-                for d in paths:  # what observe wrote past the length: the verified drafts
+                # What observe wrote: the last committed token at its position, then the k
+                # verified drafts (the accepted ones are the committed tokens before the last).
+                drafts = np.concatenate([committed[i, : nc[i] - 1], rng.integers(0, vocab, k + 1 - nc[i])])
+                for d in paths:
                     assert d.history is not None
-                    junk = torch.from_numpy(rng.integers(0, vocab, k))
-                    d.history[d._host_rows(ids[i : i + 1])[0], lens[i] : lens[i] + k] = junk
+                    row = d._host_rows(ids[i : i + 1])[0]
+                    if step and i not in fresh:
+                        d.history[row, lens[i] - 1] = int(last[i])
+                    d.history[row, lens[i] : lens[i] + k] = torch.from_numpy(drafts)
+            last = committed[np.arange(n), nc - 1]
             lens += nc
             ctx = DraftContext(
                 ids.copy(),
@@ -349,3 +358,5 @@ def test_ngram_cpu_index_follows_growing_requests_step_after_step() -> None:
             )
             got, want = paths[0].draft(ctx), paths[1]._draft_torch(ctx, width)
             assert torch.equal(got, want), (trial, step)
+            if step % 7 == 3:  # a replayed draft op rebuilds from the history: the same drafts
+                assert torch.equal(paths[0].draft(ctx), want), (trial, step)

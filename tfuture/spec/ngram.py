@@ -8,6 +8,11 @@ earlier occurrence of its last ``n`` tokens, ``n`` from ``max_ngram`` down to ``
 so it reads step N's accepted tokens without the host (a host-side lookup would be one step
 stale under overlap). A request with no match proposes its last token ``k`` times: cheap to
 verify, and any proposal is exact under verification.
+
+On the CPU the match is not a scan: :class:`tfuture.spec.ngram_cpu.NGramIndex` keeps each request's
+committed tokens and an index of its n-grams, updated by the tokens each step commits (the
+history then holds what ``observe`` wrote: the prompts, read once). Same drafts (tested against
+the torch path step after step).
 """
 
 from __future__ import annotations

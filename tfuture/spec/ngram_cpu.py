@@ -63,7 +63,9 @@ class NGramIndex:
             length = min(max(length, 1), width)
             nc = min(max(nc, 1), length)
             look = self._by_req.get(rid)
-            if look is None or len(look.tokens) > length - nc:  # new, or positions again: anew
+            if look is None or len(look.tokens) > length - nc:
+                # New, or these positions again (a replayed op): from the history, where observe
+                # wrote every earlier position (an accepted draft is the input that verified it).
                 look = self._by_req[rid] = _Lookup(self.max_ngram)
             tokens = look.tokens
             if len(tokens) < length - nc:  # the prompt (the first draft), as observe wrote it
