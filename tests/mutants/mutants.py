@@ -997,8 +997,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "spec-tokens-past-finish-kept",
         "tfuture/scheduler/drafting.py",
-        "                if r.finished:\n                    self.extra_tokens += 1\n",
-        "                if False:\n                    self.extra_tokens += 1\n",
+        "                    if r.finished:\n                        self.extra_tokens += 1\n",
+        "                    if False:\n                        self.extra_tokens += 1\n",
         SPEC_HF,
         "tokens committed past a stop or the length limit in an accepted run are returned",
     ),
