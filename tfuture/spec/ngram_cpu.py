@@ -49,16 +49,14 @@ class NGramIndex:
         holds each request's earlier positions that its index has not read yet (its prompt,
         from the drafter's ``observe``); committed tokens are kept here, not written there."""
         width = hist.shape[1]
-        out = np.empty((committed.shape[0], self.k), dtype=np.int64)
-        for i, (rid, row, got, nc, length) in enumerate(
-            zip(
-                req_ids.tolist(),
-                rows.tolist(),
-                committed.tolist(),
-                n_commit.tolist(),
-                seq_lens.tolist(),
-                strict=True,
-            )
+        out: list[list[int]] = []
+        for rid, row, got, nc, length in zip(
+            req_ids.tolist(),
+            rows.tolist(),
+            committed.tolist(),
+            n_commit.tolist(),
+            seq_lens.tolist(),
+            strict=True,
         ):
             length = min(max(length, 1), width)
             nc = min(max(nc, 1), length)
@@ -71,8 +69,8 @@ class NGramIndex:
             if len(tokens) < length - nc:  # the prompt (the first draft), as observe wrote it
                 tokens.extend(hist[row, len(tokens) : length - nc].tolist())
             tokens.extend(got[:nc])
-            out[i] = self._one(look, length)
-        return out
+            out.append(self._one(look, length))
+        return np.array(out, dtype=np.int64).reshape(len(out), self.k)
 
     def _one(self, look: _Lookup, length: int) -> list[int]:
         tokens = look.tokens

@@ -26,6 +26,7 @@ and any number of drafts accepted before.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -176,18 +177,20 @@ def verify_greedy_host(
     host arrays (request ``i`` has ``n_verify[i] + 1`` rows, in order). The same :class:`Verified`,
     as CPU tensors (a test compares the two)."""
     best, tokens = logits.max(dim=1)
-    target = torch.where(best > float("-inf"), tokens, -1).tolist()
+    # A row with no real logit (NaN, or -inf everywhere) has no token: -1, as greedy_tokens.
+    target = [t if b > -math.inf else -1 for b, t in zip(best.tolist(), tokens.tolist(), strict=True)]
     proposed = drafts.tolist()
-    committed = np.full((n, width), -1, dtype=np.int64)
-    n_commit = np.empty(n, dtype=np.int64)
-    last = np.empty(n, dtype=np.int64)
+    rows: list[list[int]] = []
+    counts: list[int] = []
     row = 0
-    for i, v in enumerate(n_verify.tolist()):
+    for v in n_verify.tolist():
         j = 0
         while j < v and proposed[row + j] == target[row + j] >= 0:
             j += 1
-        committed[i, :j] = proposed[row : row + j]
-        committed[i, j] = last[i] = target[row + j]
-        n_commit[i] = j + 1
+        rows.append(proposed[row : row + j] + [target[row + j]] + [-1] * (width - 1 - j))
+        counts.append(j + 1)
         row += v + 1
+    committed = np.array(rows, dtype=np.int64).reshape(n, width)
+    n_commit = np.array(counts, dtype=np.int64)
+    last = committed[np.arange(n), n_commit - 1]
     return Verified(torch.from_numpy(committed), torch.from_numpy(n_commit), torch.from_numpy(last))
