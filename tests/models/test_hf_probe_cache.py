@@ -99,19 +99,23 @@ def test_a_swapped_or_patched_layer_another_max_len_or_attention_is_probed_again
 
 def test_alternating_max_len_finds_each_probe_kept():
     """Engines that alternate (with and without drafts: their max_len differs) each find their
-    own probe; the oldest of more than a few per model is probed again."""
+    own probe; past a few per model the least recently used one is probed again."""
     model = build_llama()
     forwards = _Forwards(model)
     for _ in range(3):
         HFCausalLM(model, max_requests=2, max_len=16)
         HFCausalLM(model, max_requests=2, max_len=21)
     assert forwards.n == 2
-    for max_len in range(30, 30 + hf_module._PROBED_PER_MODEL):
+    kept = hf_module._PROBED_PER_MODEL
+    for max_len in range(30, 30 + kept - 2):  # the cache is full after these
         HFCausalLM(model, max_requests=2, max_len=max_len)
-    assert forwards.n == 2 + hf_module._PROBED_PER_MODEL
-    HFCausalLM(model, max_requests=2, max_len=30)  # still kept
-    HFCausalLM(model, max_requests=2, max_len=16)  # the oldest: dropped
-    assert forwards.n == 3 + hf_module._PROBED_PER_MODEL
+    assert forwards.n == kept
+    HFCausalLM(model, max_requests=2, max_len=16)  # a hit: now the most recently used
+    HFCausalLM(model, max_requests=2, max_len=99)  # a new one drops the least recently used: 21
+    HFCausalLM(model, max_requests=2, max_len=16)
+    assert forwards.n == kept + 1
+    HFCausalLM(model, max_requests=2, max_len=21)
+    assert forwards.n == kept + 2
 
 
 def test_a_refusal_is_not_kept():

@@ -986,6 +986,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "the CPU's prompt lookup keeps the earliest match of an n-gram instead of the latest",
     ),
     Mutant(
+        "ngram-index-bulk-earliest-match",
+        "tfuture/spec/ngram_cpu.py",
+        "ends.update(zip(zip(*columns, strict=True), range(first, hi), strict=True))",
+        "ends.update(reversed(list(zip(zip(*columns, strict=True), range(first, hi), strict=True))))",
+        SPEC_VERIFY,
+        "the CPU's prompt lookup, indexing a prompt in bulk, keeps the earliest end of an n-gram",
+    ),
+    Mutant(
         "spec-positions-from-host-bound",
         "tfuture/spec/step.py",
         "delta = seq_len.numpy()[inputs.spec_slots.numpy()] - 1 - inputs.spec_prefix.numpy()",

@@ -289,20 +289,23 @@ def test_ngram_observe_numpy_equals_the_torch_path() -> None:
     """The CPU history's observe (numpy) writes what the device path writes: each request's
     inputs at their positions, positions past the history clamped to its last column."""
     rng = np.random.default_rng(11)
-    seg = np.array([3, 1, 4])
-    prefix = np.array([0, 5, 29])  # the last request runs past the 32 columns
+    seg = np.array([3, 1, 4, 1])
+    # The last request's one token is past the 32 columns (clamped to the last; one write there:
+    # torch keeps no order among duplicate indices).
+    prefix = np.array([0, 5, 20, 40])
     positions = torch.from_numpy(np.concatenate([p + np.arange(s) for p, s in zip(prefix, seg, strict=True)]))
     ids = torch.from_numpy(rng.integers(0, 50, int(seg.sum())))
-    host = HostMeta(seg, prefix, np.array([4, 9, 2]), np.arange(3), int(seg.sum()), int(seg.max()))
+    host = HostMeta(seg, prefix, np.array([4, 9, 2, 7]), np.arange(4), int(seg.sum()), int(seg.max()))
     fwd = ForwardBatch(0, ids, positions, positions, positions, positions, positions, positions, None, host)
     histories = []
     for path in ("numpy", "torch"):
         d = NGramDrafter(k=2)
-        d.bind(3, 32, torch.device("cpu"))
+        d.bind(4, 32, torch.device("cpu"))
         d.observe(fwd) if path == "numpy" else d._observe_torch(fwd, host.n_tokens)
         assert d.history is not None
         histories.append(d.history)
     assert histories[0].any() and torch.equal(histories[0], histories[1])
+    assert histories[0][3, 31] == ids[-1]
 
 
 def test_ngram_cpu_index_follows_growing_requests_step_after_step() -> None:

@@ -167,8 +167,8 @@ def probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
     """:func:`_probe`, or its result for this model when nothing it depends on changed since: the
     same attention, ``max_len`` and windows, and the same module objects with the same classes,
     class ``forward`` functions and instance ``forward`` overrides (a layer swapped, or patched
-    on itself or on its class, is probed again). The latest few results per model are kept;
-    refusals are not."""
+    on itself or on its class, is probed again). The few most recently used results per model
+    are kept; refusals are not."""
     key = (
         inner,
         max_len,
@@ -177,7 +177,10 @@ def probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
     )
     with _PROBED_LOCK:
         seen = _PROBED.get(model)
-        shapes = None if seen is None else seen.get(key)
+        shapes = None if seen is None else seen.pop(key, None)
+        if shapes is not None:
+            assert seen is not None
+            seen[key] = shapes  # the most recently used goes last: the oldest is dropped first
     if shapes is not None:
         return shapes
     shapes = _probe(model, inner, max_len, windows)
@@ -185,5 +188,5 @@ def probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
         seen = _PROBED.setdefault(model, {})
         seen[key] = shapes
         while len(seen) > _PROBED_PER_MODEL:
-            del seen[next(iter(seen))]  # the oldest
+            del seen[next(iter(seen))]  # the least recently used
     return shapes

@@ -120,6 +120,7 @@ class NGramDrafter:
             return torch.zeros(0, self.k, dtype=torch.int64, device=dev)
         max_len = hist.shape[1]
         bound = min(max(int(ctx.max_len), 1), max_len)
+        # The CPU index reads no bound: every new length is <= ctx.max_len (the step's plan).
         if dev.type == "cpu":  # an incremental index: a few dict operations a request
             drafts = self._index.draft(
                 hist.numpy(),

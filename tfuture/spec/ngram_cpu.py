@@ -1,7 +1,9 @@
 """Prompt lookup for a history on the CPU: an incremental n-gram index per request.
 
 Same drafts as :meth:`tfuture.spec.NGramDrafter._draft_torch` (a test compares them step after
-step), with a cost per step that grows with the tokens a request committed, not with its length:
+step) while no position below a request's length changes, which holds for a request's own steps
+(ids are not reused before ``release``), with a cost per step that grows with the tokens a
+request committed, not with its length:
 each request keeps its final tokens (every position before its ``seq_len``) and, per ``n``, a
 dict from each ``n``-gram to the latest position where one ends that has a continuation
 (``p <= len - 2``). A step adds the n-grams its new positions complete and looks up the request's
@@ -15,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["NGramIndex"]
+
+_BULK = 16  # new positions above which a step indexes them in bulk
 
 
 class _Lookup:
@@ -74,13 +78,23 @@ class NGramIndex:
 
     def _one(self, look: _Lookup, length: int) -> list[int]:
         tokens = look.tokens
-        # The n-grams ending at p <= length - 2 have a continuation (at p + 1 <= length - 1).
-        for p in range(look.indexed, length - 1):
+        # The n-grams ending at p <= length - 2 have a continuation (at p + 1 <= length - 1);
+        # a later end overwrites an earlier one: the latest wins.
+        lo, hi = look.indexed, length - 1
+        if hi - lo <= _BULK:  # a step's few new positions
+            for p in range(lo, hi):
+                for size, ends in enumerate(look.ends, start=1):
+                    if size > p + 1:
+                        break
+                    ends[tuple(tokens[p + 1 - size : p + 1])] = p
+        else:  # a prompt: per n, one dict.update over zips (in C; 8k tokens in ~4 ms, not ~10)
             for size, ends in enumerate(look.ends, start=1):
-                if size > p + 1:
+                first = max(lo, size - 1)
+                if first >= hi:
                     break
-                ends[tuple(tokens[p + 1 - size : p + 1])] = p
-        look.indexed = max(look.indexed, length - 1)
+                columns = [tokens[first - size + 1 + o : hi - size + 1 + o] for o in range(size)]
+                ends.update(zip(zip(*columns, strict=True), range(first, hi), strict=True))
+        look.indexed = max(lo, hi)
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             end = look.ends[size - 1].get(tuple(tokens[length - size : length]))
             if end is not None:
