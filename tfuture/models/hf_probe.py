@@ -157,7 +157,7 @@ def _direct_exact(model: Any, inner: str, calls: list[Call]) -> bool:
 # Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
 # same modules, attention and windows skips the probe, a whole forward (~30 ms at 80M parameters).
 # A few keys per model: engines that alternate (with and without drafts: max_len differs) each
-# find their own (one entry re-probed at every switch, about 12 ms at 3M parameters).
+# find their own (with one entry, every switch ran the probe's forwards again).
 _PROBED: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], Shapes]] = weakref.WeakKeyDictionary()
 _PROBED_LOCK = threading.Lock()
 _PROBED_PER_MODEL = 8

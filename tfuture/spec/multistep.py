@@ -33,7 +33,7 @@ from tfuture.sampling import Sampler
 from tfuture.sampling.filters import greedy_tokens
 from tfuture.spec.batch import DraftResult, check_committed
 from tfuture.spec.penalties import PenaltyPlan, penalise_rows, plan_penalties, record_committed
-from tfuture.spec.verify import RowParams, row_params, verify_rows
+from tfuture.spec.verify import GREEDY_ROWS, RowParams, row_params, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.token import TokenStep
 from tfuture.steps.token_state import TokenInputs, TokenState
@@ -225,7 +225,7 @@ class MultiStepTokenStep(TokenStep):
         assert sampler is not None
         if state.pen is not None:
             logits = penalise_rows(logits, sampler.history, state.pen, state.extra.penalties, ids)
-        rp = state.rp if state.rp is not None else _GREEDY
+        rp = state.rp if state.rp is not None else GREEDY_ROWS
         w = verify_rows(logits, win.none, win.off, rows, n, 1, rp, win.params, win.pos[j + 1])
         if state.pen is not None:
             record_committed(sampler.history, state.extra.hist_req, w.committed, w.n_commit)
@@ -261,7 +261,3 @@ class MultiStepTokenStep(TokenStep):
         check_committed(rec.step, rec.batch, state.sample_reqs, words, self._vocab, lambda t: t // k)
         counts = np.full(n, k, dtype=np.int64)
         return DraftResult(rec.step, rec.batch, words.astype(np.int64), counts, np.zeros(n, dtype=np.int64))
-
-
-#: The parameters of greedy rows (penalties without sampling): verify_rows reads only ``sampled``.
-_GREEDY = RowParams(_NONE, _NONE, _NONE, False, False, False, False)

@@ -118,8 +118,6 @@ class NGramDrafter:
         dev = hist.device
         if not n:
             return torch.zeros(0, self.k, dtype=torch.int64, device=dev)
-        max_len = hist.shape[1]
-        bound = min(max(int(ctx.max_len), 1), max_len)
         # The CPU index reads no bound: every new length is <= ctx.max_len (the step's plan).
         if dev.type == "cpu":  # an incremental index: a few dict operations a request
             drafts = self._index.draft(
@@ -131,7 +129,7 @@ class NGramDrafter:
                 ctx.seq_lens.numpy(),
             )
             return torch.from_numpy(drafts)
-        return self._draft_torch(ctx, bound)
+        return self._draft_torch(ctx, min(max(int(ctx.max_len), 1), hist.shape[1]))
 
     def _draft_torch(self, ctx: DraftContext, bound: int) -> torch.Tensor:
         """:meth:`draft` in torch ops (a device history), ``bound`` positions searched."""

@@ -89,7 +89,8 @@ def row_params(packed: np.ndarray) -> RowParams:
     )
 
 
-#: The :class:`RowParams` of rows that are all greedy (nothing staged: no row samples).
+#: The :class:`RowParams` of rows that are all greedy (nothing staged: no row samples; a greedy row
+#: with penalties too): :func:`verify_rows` reads only ``sampled``.
 GREEDY_ROWS = RowParams(np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64), False, False, False, False)
 
 
