@@ -438,6 +438,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "a speculative step's slots are released while the next step still names them",
     ),
     Mutant(
+        "spec-tail-wait-off",
+        "tfuture/scheduler/batcher.py",
+        "if self.speculative and all(self._may_end_in_flight(r) for r, _, _ in rows):",
+        "if False:",
+        ("tests/runtime/test_speculative.py",),
+        "an overlapped speculative run launches a step for requests that all ended in the one in flight",
+    ),
+    Mutant(
+        "spec-tail-wait-any-row",
+        "tfuture/scheduler/batcher.py",
+        "if self.speculative and all(self._may_end_in_flight(r) for r, _, _ in rows):",
+        "if self.speculative and any(self._may_end_in_flight(r) for r, _, _ in rows):",
+        ("tests/runtime/test_speculative.py",),
+        "the overlapped host waits for the step in flight when one request may end in it (overlap lost)",
+    ),
+    Mutant(
         "map-bad-handover-leak",
         "tfuture/core/future_map.py",
         "                self.release_live([g for g in handles if isinstance(g, FutureIndices) "

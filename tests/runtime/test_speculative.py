@@ -100,6 +100,13 @@ class _Recorder(ContinuousBatcher):
         if batch is not None:
             self.batches.append(batch)
             self.events.append(("schedule", len(self.batches) - 1))
+        elif any(r.n_pending for r in self.running):
+            live = [r for r in self.running if not r.finished and not r.done_by_length]
+            if live:
+                # A wait for the step in flight: only when every request that would step may end
+                # in it (its drafts all accepted would reach its length limit).
+                assert all(len(r.out) + r.n_pending + r.pending_extra >= r.spec.max_new for r in live)
+                self.events.append(("wait", len(self.batches) - 1))
         return batch
 
     def process(self, result: DraftResult) -> None:
@@ -113,9 +120,14 @@ def test_overlap_launches_the_next_step_before_the_accepted_counts_reach_the_hos
     assert isinstance(sched, _Recorder)
     assert sched.events[:3] == [("schedule", 0), ("schedule", 1), ("process", 0)]
     for i, (kind, step) in enumerate(sched.events):
-        # Every processed step N comes after step N+1 was scheduled (or after the last schedule).
+        # Every processed step N comes after step N+1 was scheduled (or after the last schedule,
+        # or after a wait at the end of a request: see the next test).
         if kind == "process":
-            assert ("schedule", step + 1) in sched.events[:i] or step == len(sched.batches) - 1
+            assert (
+                ("schedule", step + 1) in sched.events[:i]
+                or step == len(sched.batches) - 1
+                or sched.events[i - 1] == ("wait", step)
+            )
     # A verifying request names its previous step's slot: its inputs and positions come from the
     # device (the drafts and the seq_len field), never from a host copy of the accepted count.
     verifying = [b for b in sched.batches if b.n_verify.size and (b.n_verify > 0).any()]
@@ -124,6 +136,29 @@ def test_overlap_launches_the_next_step_before_the_accepted_counts_reach_the_hos
         firsts = b.tokens[np.concatenate([[0], np.cumsum(b.seg_lens)[:-1]])]
         assert (firsts[b.n_verify > 0] < 0).all()
     assert fmap.in_use == 0 and sched.outputs == plain(specs)
+
+
+@pytest.mark.parametrize("err", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_overlap_takes_no_more_steps_than_sync_at_the_end_of_a_run(seed: int, n: int, err: float) -> None:
+    # Requests of one length, arriving together: each ends by its length limit, in a step whose
+    # accepted count the overlapped host learns only after it scheduled the next one. The
+    # batcher waits for that step when every request may end in it (it returns None with a step
+    # in flight): no step runs for finished requests only, so overlap takes sync's steps.
+    rng = np.random.default_rng(seed)
+    max_new = int(rng.integers(6, 20))
+    specs = [RequestSpec(i, 0, rng.integers(1, VOCAB, 5), max_new) for i in range(n)]
+    k = int(rng.integers(2, 5))
+    runs = {
+        ov: spec_run(
+            specs, k=k, error_rate=err, seed=seed, overlap=ov, sched_type=_Recorder, delay=random_delay(seed)
+        )
+        for ov in (True, False)
+    }
+    (over, fmap, over_stats), (sync, _, sync_stats) = runs[True], runs[False]
+    assert over.outputs == sync.outputs == plain(specs) and fmap.in_use == 0
+    assert over_stats.steps == sync_stats.steps
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])

@@ -320,6 +320,10 @@ def test_sync_gives_the_overlapped_tokens(model: Any, looped: list[list[int]]) -
     over = tfuture.generate(model, looped, greedy(16), speculative=NGramDrafter(k=K))
     sync = tfuture.generate(model, looped, greedy(16), speculative=NGramDrafter(k=K), overlap=False)
     assert tokens(over) == tokens(sync) == want
+    # Every request ends by its length: no step runs for ended requests only (the batcher waits
+    # for the step in flight when each request may end in it), so overlap takes sync's steps.
+    assert over.stats is not None and sync.stats is not None
+    assert over.stats.steps == sync.stats.steps
 
 
 def test_seeded_sampling_is_the_same_overlapped_and_in_sync(model: Any, looped: list[list[int]]) -> None:

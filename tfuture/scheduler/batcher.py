@@ -4,7 +4,10 @@ It is the host side the runtime drives. Under overlap it schedules step N+1 befo
 seen step N's tokens: a decode's input is then a placeholder from step N's ``out`` handle,
 and a request that finished at step N (end token) still runs in step N+1, whose token is
 discarded (the extra step). Requests that reach their length limit are known finished
-without seeing the token, so they get no extra step.
+without seeing the token, so they get no extra step. A speculative request's step commits an
+unknown number of tokens: when every request of the next step may reach its limit in the step
+in flight, ``schedule`` returns None and the runtime processes that step first (one host
+round trip, against a whole step spent on finished requests at the end of a run).
 
 Structured output: a grammar request keeps one matcher (:class:`tfuture.grammars.Matcher`)
 from its grammar; :meth:`ContinuousBatcher.build_mask` fills a packed int32 bitmask row per
@@ -215,7 +218,22 @@ class ContinuousBatcher(DraftScheduling):
         if not rows:
             self._check_not_stuck()
             return None
+        if self.speculative and all(self._may_end_in_flight(r) for r, _, _ in rows):
+            # Every row may be the last of its request (see _may_end_in_flight): process the step
+            # in flight first, the runtime asks again after it. Launching now, a run whose every
+            # request ends there pays a whole step for nothing (tokens past a finish).
+            self.tick -= 1  # a wait, not a step: arrivals keep their ticks
+            return None
         return self._build(rows)
+
+    @staticmethod
+    def _may_end_in_flight(r: _Req) -> bool:
+        """Whether ``r``'s launched, unprocessed speculative steps may already give it its last
+        token: their accepted drafts are unknown to the host, and if every draft were accepted it
+        would reach its length limit. Only such steps in flight (``n_pending``) make it True:
+        the runtime finishes one when ``schedule`` returns None. A stop token is never foreseen.
+        """
+        return bool(r.n_pending) and len(r.out) + r.n_pending + r.pending_extra >= r.spec.max_new
 
     def _history_row_free(self, spec: RequestSpec) -> bool:
         """With ``history_rows``: a request with penalties waits until a running one ends."""
