@@ -1027,6 +1027,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "tokens committed past a stop or the length limit in an accepted run are returned",
     ),
     Mutant(
+        "ngram-index-continuation-clamped",
+        "tfuture/spec/ngram_cpu.py",
+        "return [tokens[end + 1 + j % period] for j in range(self.k)]",
+        "return [tokens[min(end + 1 + j, length - 1)] for j in range(self.k)]",
+        SPEC_VERIFY,
+        "prompt lookup on the CPU pads a short continuation with the last token instead of repeating it",
+    ),
+    Mutant(
+        "ngram-continuation-clamped",
+        "tfuture/spec/ngram.py",
+        "at = cont.unsqueeze(1) + torch.remainder(torch.arange(self.k, device=dev).unsqueeze(0), period)",
+        "at = torch.minimum(cont.unsqueeze(1) + torch.arange(self.k, device=dev), (lens - 1).unsqueeze(1))",
+        SPEC_VERIFY,
+        "prompt lookup on the device pads a short continuation with the last token instead of repeating it",
+    ),
+    Mutant(
         "ngram-earliest-match",
         "tfuture/spec/ngram.py",
         "latest = torch.where(hit, starts, -1).amax(dim=1)",

@@ -205,6 +205,20 @@ def test_ngram_drafts_continue_the_latest_earlier_match() -> None:
     assert d.draft(ctx).tolist() == [[4, 8, 1]]
 
 
+def test_ngram_drafts_repeat_a_continuation_shorter_than_k() -> None:
+    # Suffix [5, 9] last occurred ending at position 2: only [5, 9] follow it before the end, so
+    # the drafts repeat them (the loop goes on); the torch path (a device history) agrees.
+    for tokens, want in (
+        ([3, 5, 9, 5, 9], [5, 9, 5]),
+        ([4, 4], [4, 4, 4]),
+        ([6, 1, 2, 1, 2, 1, 2], [1, 2, 1]),
+    ):
+        d, ctx = _history(tokens)
+        assert d.draft(ctx).tolist() == [want], tokens
+        d, ctx = _history(tokens)
+        assert d._draft_torch(ctx, 32).tolist() == [want], tokens
+
+
 def test_ngram_prefers_the_longest_match_and_proposes_the_last_token_without_one() -> None:
     d, ctx = _history([5, 6, 7, 1, 6, 7, 2, 5, 6, 7])  # [5,6,7] matches at 0 (longer than [6,7] at 4)
     assert d.draft(ctx).tolist() == [[1, 6, 7]]

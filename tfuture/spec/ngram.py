@@ -4,7 +4,10 @@ Each request's tokens (prompt and committed output) live in a device history row
 stream order: a step's inputs at their positions after its prepare, its committed tokens after
 its verification. The drafts of a request are the ``k`` tokens that followed the latest
 earlier occurrence of its last ``n`` tokens, ``n`` from ``max_ngram`` down to ``min_ngram``
-(the first ``n`` that matches wins). The match runs on the device over every request at once,
+(the first ``n`` that matches wins). When fewer than ``k`` tokens follow it before the end (the
+request repeats itself with period ``P``: the match ends ``P`` positions before the suffix), the
+drafts go on repeating those ``P`` tokens, which is what the tokens that follow the match would be
+if the repetition goes on. The match runs on the device over every request at once,
 so it reads step N's accepted tokens without the host (a host-side lookup would be one step
 stale under overlap). A request with no match proposes its last token ``k`` times: cheap to
 verify, and any proposal is exact under verification.
@@ -160,8 +163,9 @@ class NGramDrafter:
             hit = (windows == suffix.unsqueeze(1)).all(dim=2) & (starts + size < lens.unsqueeze(1))
             latest = torch.where(hit, starts, -1).amax(dim=1)
             cont = torch.where((cont < 0) & (latest >= 0), latest + size, cont)
-        at = cont.unsqueeze(1) + torch.arange(self.k, device=dev).unsqueeze(0)
-        at = torch.minimum(at, (lens - 1).unsqueeze(1))
+        # The continuation's P = lens - cont tokens, repeated (see the module docstring).
+        period = (lens - cont).clamp_min(1).unsqueeze(1)
+        at = cont.unsqueeze(1) + torch.remainder(torch.arange(self.k, device=dev).unsqueeze(0), period)
         found = (cont >= 0).unsqueeze(1)
         return torch.where(found, h.gather(1, at.clamp_min(0)), last.expand(n, self.k))
 

@@ -97,8 +97,9 @@ class NGramIndex:
         look.indexed = max(lo, hi)
         for size in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             end = look.ends[size - 1].get(tuple(tokens[length - size : length]))
-            if end is not None:
-                return [tokens[min(end + 1 + j, length - 1)] for j in range(self.k)]
+            if end is not None:  # its continuation's tokens, repeated (NGramDrafter's docstring)
+                period = length - 1 - end
+                return [tokens[end + 1 + j % period] for j in range(self.k)]
         return [tokens[length - 1]] * self.k
 
     def release(self, req_ids: np.ndarray) -> None:
