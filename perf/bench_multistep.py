@@ -24,7 +24,10 @@ Two parts, ``K`` in {1, 2, 4, 8} (``K = 1``: the plain token step):
   through the bare model's own module forwards with its own cache, prefill and ``NEW`` decode
   steps, nothing else, run in turn with the ``K`` runs: the ceiling of an engine that calls the
   modules. tfuture's direct forward (``tfuture.models.hf_direct``: the same ops without the
-  module calls) runs below the modules' time, so a window may pass it.
+  module calls) runs below the modules' time, so a window may pass it. The engine's own bound
+  goes there too (``generate_k1_forward_share``, ``generate_ceiling_over_k1_own_forward``): the
+  share of a traced ``K = 1`` run's wall time spent in its forwards (:func:`forward_share`),
+  which no window removes, and one over it, the most any ``K`` can give over ``K = 1``.
 
 Every ``K`` gives the same tokens as ``K = 1`` (checked). Summary (``summary.json`` under
 ``multistep``): per ``K`` the medians and the ratios to ``K = 1``, and the tokens wasted past
@@ -120,6 +123,22 @@ def generate_run(model: Any, ps: list[list[int]], k: int) -> tuple[float, list[l
     return len(ps) * NEW / (time.perf_counter() - t0), [list(o.token_ids) for o in out]
 
 
+def forward_share(model: Any, ps: list[list[int]]) -> float:
+    """The share of a traced ``K = 1`` run's wall time that the model's forwards take (its
+    ``forward`` spans on the stream, engine construction included in the wall): no window can
+    remove that time, so ``1 / share`` bounds ``K``'s gain over ``K = 1`` (from above: tracing
+    adds host time, which lowers the share)."""
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    params = GenerationParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = tfuture.generate(model, ps, params, multi_step=1, trace=True, progress=False)
+    wall = time.perf_counter() - t0
+    assert out.stats is not None
+    return sum(s.end - s.start for s in out.stats.device_spans if s.name == "forward") / wall
+
+
 @functools.cache
 def measure() -> dict[tuple[str, int], np.ndarray]:
     """``{(part, K): [REPEATS, ...]}``: host-bound (wall, cpu per token in ms, waste), generate (tokens/s)."""
@@ -179,6 +198,7 @@ def measure() -> dict[tuple[str, int], np.ndarray]:
             runs = {str(k): gen(k) for k in KS} | {"floor": lambda: forward_floor(model, ps)}
             for name, v in harness.interleaved(runs, REPEATS).items():
                 got[("floor", 1) if name == "floor" else ("generate", int(name))] = v
+            got[("forward share", 1)] = np.asarray([forward_share(model, ps) for _ in range(REPEATS)])
     finally:
         torch.set_num_threads(before)
     return got
@@ -256,6 +276,10 @@ def main() -> None:
         # (the median of each repeat's floor over the K = 1 run beside it).
         paired = got[("floor", 1)] / got[("generate", 1)]
         summary["generate_ceiling_over_k1"] = round(float(np.median(paired)), 3)
+    if ("forward share", 1) in got:
+        share = float(np.median(got[("forward share", 1)]))
+        summary["generate_k1_forward_share"] = round(share, 3)
+        summary["generate_ceiling_over_k1_own_forward"] = round(1 / share, 3)
     harness.record("multistep", summary)
     for key, row in summary.items():
         print(f"bench_multistep {key}: {row}")
