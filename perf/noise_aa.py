@@ -10,12 +10,14 @@ it prints the ratio the contract reads (median over median, as the sweep's summa
 of ``overlap / sync`` and of ``sync again / sync``, then the range of each over the trials. The
 A/A ratio compares the same code with itself: its spread is the resolution of that contract line
 on the machine at hand, below which an ``overlap / sync`` miss says nothing about the code. Not a
-sweep of ``python -m perf`` (it writes no results); needs the ``hf`` extra.
+sweep of ``python -m perf``; ``--save`` records the trials in ``summary.json`` under ``noise_aa``
+(with ``PERF_REFRESH=1``, the committed results folder's). Needs the ``hf`` extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -70,6 +72,11 @@ def main() -> None:
     parser.add_argument("bench", choices=["generate", "spec"])
     parser.add_argument("cell", nargs=3, help="generate: size threads batch; spec: workload batch drafter")
     parser.add_argument("--trials", type=int, default=6)
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="record the trials in summary.json (PERF_REFRESH=1: the committed one)",
+    )
     args = parser.parse_args()
     a, b, c = args.cell
     with torch.inference_mode():
@@ -86,6 +93,15 @@ def main() -> None:
     print(f"{args.bench} {' '.join(args.cell)}, {args.trials} trials of {repeats} interleaved repeats:")
     for k, v in ratios.items():
         print(f"  {k:<24} median {np.median(v):.3f}, range {min(v):.3f}-{max(v):.3f}")
+    if args.save:
+        entry = {
+            "trials": {k: [round(x, 4) for x in v] for k, v in ratios.items()},
+            "repeats": repeats,
+            "commit": harness._git("rev-parse", "--short", "HEAD"),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        harness.record("noise_aa", {f"{args.bench} {' '.join(args.cell)}": entry})
+        print(f"recorded under noise_aa in {harness.results_dir()}/summary.json")
 
 
 if __name__ == "__main__":
