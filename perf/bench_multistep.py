@@ -112,15 +112,21 @@ def forward_floor(model: Any, ps: list[list[int]]) -> float:
     return len(ps) * NEW / (time.perf_counter() - t0)
 
 
-def generate_run(model: Any, ps: list[list[int]], k: int) -> tuple[float, list[list[int]]]:
-    """(tokens/s, tokens) of one ``tfuture.generate`` call with windows of ``k``."""
+def _generate(model: Any, ps: list[list[int]], k: int, trace: bool = False) -> tuple[Any, float]:
+    """One ``tfuture.generate`` call with windows of ``k``: its result and its wall seconds."""
     import tfuture
     from tfuture.scheduler import GenerationParams
 
     params = GenerationParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     t0 = time.perf_counter()
-    out = tfuture.generate(model, ps, params, multi_step=k, progress=False)
-    return len(ps) * NEW / (time.perf_counter() - t0), [list(o.token_ids) for o in out]
+    out = tfuture.generate(model, ps, params, multi_step=k, trace=trace, progress=False)
+    return out, time.perf_counter() - t0
+
+
+def generate_run(model: Any, ps: list[list[int]], k: int) -> tuple[float, list[list[int]]]:
+    """(tokens/s, tokens) of one ``tfuture.generate`` call with windows of ``k``."""
+    out, wall = _generate(model, ps, k)
+    return len(ps) * NEW / wall, [list(o.token_ids) for o in out]
 
 
 def forward_share(model: Any, ps: list[list[int]]) -> float:
@@ -128,13 +134,7 @@ def forward_share(model: Any, ps: list[list[int]]) -> float:
     ``forward`` spans on the stream, engine construction included in the wall): no window can
     remove that time, so ``1 / share`` bounds ``K``'s gain over ``K = 1`` (from above: tracing
     adds host time, which lowers the share)."""
-    import tfuture
-    from tfuture.scheduler import GenerationParams
-
-    params = GenerationParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    t0 = time.perf_counter()
-    out = tfuture.generate(model, ps, params, multi_step=1, trace=True, progress=False)
-    wall = time.perf_counter() - t0
+    out, wall = _generate(model, ps, 1, trace=True)
     assert out.stats is not None
     return sum(s.end - s.start for s in out.stats.device_spans if s.name == "forward") / wall
 

@@ -101,7 +101,11 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token_state"},  # a token step's records
     {"tfuture.steps.token"},
-    {"tfuture.spec.staging", "tfuture.spec.step"},  # the token step with drafts: its plan, its ops
+    {
+        "tfuture.spec.staging",
+        "tfuture.spec.step_rows",
+        "tfuture.spec.step",
+    },  # the token step with drafts: its plan, its ops
     {"tfuture.spec.multistep"},  # several decode steps per launch: the token step, chained
     {"tfuture.spec.spec_windows"},  # drafts and windows in one run: the two steps above
     {"tfuture.grammars.*"},

@@ -160,7 +160,7 @@ def test_true_positions_numpy_equals_the_torch_path() -> None:
     the other requests' rows and the inputs themselves are untouched."""
     from types import SimpleNamespace
 
-    from tfuture.spec.step import true_positions, true_positions_numpy
+    from tfuture.spec.step_rows import true_positions, true_positions_numpy
 
     seg = np.array([3, 1, 5, 2])  # requests 0 and 2 verify (2 and 4 drafts), 1 and 3 do not
     prefix = np.array([20, 7, 40, 11])

@@ -218,22 +218,10 @@ class ContinuousBatcher(DraftScheduling):
         if not rows:
             self._check_not_stuck()
             return None
-        if self.speculative and all(self._may_end_in_flight(r) for r, _, _ in rows):
-            # Every row may be the last of its request (see _may_end_in_flight): process the step
-            # in flight first, the runtime asks again after it. Launching now, a run whose every
-            # request ends there pays a whole step for nothing (tokens past a finish).
+        if self.speculative and self._wait_for_flight(rows):
             self.tick -= 1  # a wait, not a step: arrivals keep their ticks
             return None
         return self._build(rows)
-
-    @staticmethod
-    def _may_end_in_flight(r: _Req) -> bool:
-        """Whether ``r``'s launched, unprocessed speculative steps may already give it its last
-        token: their accepted drafts are unknown to the host, and if every draft were accepted it
-        would reach its length limit. Only such steps in flight (``n_pending``) make it True:
-        the runtime finishes one when ``schedule`` returns None. A stop token is never foreseen.
-        """
-        return bool(r.n_pending) and len(r.out) + r.n_pending + r.pending_extra >= r.spec.max_new
 
     def _history_row_free(self, spec: RequestSpec) -> bool:
         """With ``history_rows``: a request with penalties waits until a running one ends."""

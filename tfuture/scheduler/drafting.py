@@ -4,7 +4,8 @@ A request's step makes ``1 + k`` slots (its last committed token, then ``k`` dra
 step verifies those drafts; the host learns each step's committed tokens one step late. This mixin
 keeps what only speculation needs: how many drafts a request makes, the slots of a request that
 waits a step (held in a handle of the batcher's own), the :class:`tfuture.spec.DraftBatch` fields,
-and the processing of committed runs, cut at a finish the host learned late.
+the processing of committed runs, cut at a finish the host learned late, and when the next step
+waits for the one in flight (every request of it may end there).
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class DraftScheduling:
             for r in self.running:
                 if not r.finished and r.pending is not None and r.pending[0] is batch:
                     self._keep(r)
+
+    @staticmethod
+    def _wait_for_flight(rows: list[tuple[_Req, int, bool]]) -> bool:
+        """Whether ``schedule`` should return None (the runtime then processes the step in flight
+        and asks again) instead of launching ``rows``: every one of them may be the last of its
+        request. A request's launched, unprocessed steps (``n_pending``) may already give it its
+        last token when, every draft accepted, it would reach its length limit; launching now, a
+        run whose every request ends there pays a whole step for tokens past a finish. A stop
+        token is never foreseen; without a step in flight nothing waits."""
+        return all(
+            r.n_pending and len(r.out) + r.n_pending + r.pending_extra >= r.spec.max_new for r, _, _ in rows
+        )
 
     def _drafts(self, r: _Req) -> int:
         """Drafts ``r`` makes per step: none for a request that opted out

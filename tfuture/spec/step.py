@@ -7,7 +7,8 @@ requests that verify from their previous step's ``seq_len`` field (the accepted 
 visits the host) and shows the drafter the step's inputs; the sample becomes ``verify``
 (greedy acceptance or rejection sampling, :mod:`tfuture.spec.verify`), ``draft`` (the
 drafter's next drafts) and ``store`` (each request's last committed token and its drafts into
-its slots, and the ``seq_len`` field). The host reads back each request's committed tokens and
+its slots, and the ``seq_len`` field); their per-row arithmetic, on a device and in numpy on the
+CPU, is :mod:`tfuture.spec.step_rows`. The host reads back each request's committed tokens and
 their count. Prefill chunks, plain decodes (``k = 0``), ended requests, the KV cache and the
 runtime's staging, tracing, faults and error path are the token step's own.
 
@@ -44,13 +45,14 @@ from tfuture.spec.penalties import (
     record_committed,
 )
 from tfuture.spec.staging import stage_drafts
+from tfuture.spec.step_rows import new_lengths, store_tokens, true_positions, true_positions_numpy
 from tfuture.spec.verify import RowParams, Verified, verify_greedy_host, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import check_rows, check_width, mask_on_stream
 from tfuture.steps.token import TokenStep
 from tfuture.steps.token_state import Buckets, TokenInputs, TokenState
 
-__all__ = ["SpecTokenStep", "true_positions", "true_positions_numpy"]
+__all__ = ["SpecTokenStep"]
 
 _NONE = np.empty(0, dtype=np.int64)
 
@@ -70,26 +72,6 @@ class SpecState(TokenState):
     verified: Any = None
     new_len: torch.Tensor | None = None
     store_tokens: torch.Tensor | None = None
-
-
-def true_positions(fwd: Any, inputs: Any, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ON THE STREAM: ``fwd``'s positions and seq_lens with each verifying request's host bound
-    (``inputs.spec_prefix``) replaced by its true prefix, its previous step's ``seq_len`` field
-    (``seq_len [slots]`` int64) minus its last token. New tensors; ``fwd``'s are not written."""
-    delta = seq_len.index_select(0, inputs.spec_slots) - 1 - inputs.spec_prefix
-    positions = fwd.positions.clone()
-    positions.index_add_(0, inputs.spec_tok, delta.index_select(0, inputs.spec_tok_of))
-    return positions, fwd.seq_lens.clone().index_add_(0, inputs.spec_reqs, delta)
-
-
-def true_positions_numpy(fwd: Any, inputs: Any, seq_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`true_positions` on the CPU, with numpy (a few microseconds an op instead of
-    several); a verifying request's token rows are its own, so each row is shifted once."""
-    delta = seq_len.numpy()[inputs.spec_slots.numpy()] - 1 - inputs.spec_prefix.numpy()
-    positions, seq_lens = fwd.positions.numpy().copy(), fwd.seq_lens.numpy().copy()
-    positions[inputs.spec_tok.numpy()] += delta[inputs.spec_tok_of.numpy()]
-    seq_lens[inputs.spec_reqs.numpy()] += delta
-    return torch.from_numpy(positions), torch.from_numpy(seq_lens)
 
 
 class SpecTokenStep(TokenStep):
@@ -294,12 +276,7 @@ class SpecTokenStep(TokenStep):
         if state.pen is not None:
             assert sampler is not None
             record_committed(sampler.history, inputs.hist_req, v.committed, v.n_commit)
-        if fwd.seq_lens.device.type == "cpu":  # numpy: a few microseconds an op instead of several
-            real = fwd.seq_lens.numpy()[inputs.sample_idx.numpy()]
-            state.new_len = torch.from_numpy(real - inputs.n_verify.numpy() + v.n_commit.numpy())
-        else:
-            real_t = fwd.seq_lens.index_select(0, inputs.sample_idx)
-            state.new_len = real_t - inputs.n_verify + v.n_commit
+        state.new_len = new_lengths(fwd.seq_lens, inputs, v.n_commit)
 
     @staticmethod
     def row_params_on_device(state: SpecState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -347,21 +324,9 @@ class SpecTokenStep(TokenStep):
         if not isinstance(drafts, torch.Tensor) or drafts.shape != (n, self.k):
             got = tuple(drafts.shape) if isinstance(drafts, torch.Tensor) else type(drafts).__name__
             raise ValueError(f"the drafter's draft must return [{n}, {self.k}] token ids, got {got}")
-        top = max(self._vocab_bound() - 1, 0)
-        if v.last.device.type == "cpu":  # numpy: a few microseconds an op instead of several
-            out = np.empty(state.n_out, dtype=np.int64)
-            out[inputs.out_first.numpy()] = np.maximum(v.last.numpy(), 0)
-            if inputs.out_draft.numel():
-                flat = np.minimum(np.maximum(drafts.reshape(-1).numpy(), 0), top)  # np.clip: several us more
-                out[inputs.out_draft.numpy()] = flat[inputs.draft_at.numpy()]
-            state.store_tokens = torch.from_numpy(out)
-            return
-        tokens = torch.empty(state.n_out, dtype=torch.int64, device=v.last.device)
-        tokens.index_copy_(0, inputs.out_first, v.last.clamp_min(0))
-        if inputs.out_draft.numel():
-            flat_t = drafts.reshape(-1).to(torch.int64).clamp(0, top)
-            tokens.index_copy_(0, inputs.out_draft, flat_t.index_select(0, inputs.draft_at))
-        state.store_tokens = tokens
+        state.store_tokens = store_tokens(
+            v.last, drafts, inputs, state.n_out, max(self._vocab_bound() - 1, 0)
+        )
 
     def _vocab_bound(self) -> int:
         return self._vocab if self._vocab is not None else int(np.iinfo(np.int64).max)
