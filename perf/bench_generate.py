@@ -213,6 +213,39 @@ def _look(bench: Any) -> harness.Look:
     )
 
 
+def call_ms(size: str, repeats: int = 5) -> dict[str, float]:
+    """Median ms of one-token calls, batch 1, one thread, per repeat a prompt one id longer than
+    every earlier one: ``tfuture.generate`` on it first (``new_length``: the engine's ``max_len`` is
+    new; the construction probe's forwards ran again for each one before they were kept per
+    model whatever ``max_len``), then again (``same_length``), and HF ``generate`` on it
+    (``hf``). Engine construction included, as in the sweep; one warm-up call each first."""
+    model = build(size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = prompts(size, 1)[0] * 4
+    got: dict[str, list[float]] = {"new_length": [], "same_length": [], "hf": []}
+    try:
+        with torch.inference_mode():
+            for hf in (False, True):  # warm-up
+                _one_token_ms(model, base[: PROMPT[1]], hf)
+            for n in range(PROMPT[1] + 1, PROMPT[1] + 1 + repeats):
+                got["new_length"].append(_one_token_ms(model, base[:n], hf=False))
+                got["same_length"].append(_one_token_ms(model, base[:n], hf=False))
+                got["hf"].append(_one_token_ms(model, base[:n], hf=True))
+    finally:
+        torch.set_num_threads(before)
+    return {line: round(float(np.median(v)), 2) for line, v in got.items()}
+
+
+def _one_token_ms(model: Any, prompt: list[int], hf: bool) -> float:
+    t0 = time.perf_counter()
+    if hf:
+        hf_run(model, [prompt], 1)
+    else:
+        tfuture_run(model, [prompt], 1, True)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def summary() -> dict[str, Any]:
     """Median tokens/s and the ratios per cell."""
     out: dict[str, Any] = {
@@ -235,6 +268,7 @@ def summary() -> dict[str, Any]:
                 out["overlap_over_hf"][key] = round(med["overlap"] / med["hf"], 3)
                 out["sync_over_hf"][key] = round(med["sync"] / med["hf"], 3)
                 out["overlap_over_sync"][key] = round(med["overlap"] / med["sync"], 3)
+    out["one_token_call_ms"] = {size: call_ms(size) for size in SIZES}
     return out
 
 
@@ -246,7 +280,7 @@ def main() -> None:
     harness.save(generate_report, _look)
     got = summary()
     harness.record("generate", got)
-    for key in ("overlap_over_hf", "overlap_over_sync"):
+    for key in ("overlap_over_hf", "overlap_over_sync", "one_token_call_ms"):
         print(f"bench_generate {key}: {got[key]}")
 
 

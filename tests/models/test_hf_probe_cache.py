@@ -1,7 +1,8 @@
 """The construction probe runs once per model: wrapping the same model again (every
 ``tfuture.generate`` call wraps it) reuses its result while nothing the probe looked at changed,
-and probes again when a layer is swapped or patched, the attention or ``max_len`` changes (a few
-results are kept per model), or the last probe refused."""
+whatever ``max_len`` (prompts of another length), and probes again when a layer is swapped or
+patched, the attention changes (a few results are kept per model), or the last probe refused.
+The attention calls' windows are checked against every ``max_len``, probed or not."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+
+from tiny_hf import tiny
 
 from tfuture import FutureMap
 from tfuture.examples.hf import build_llama
@@ -74,22 +77,23 @@ def test_wrapping_the_same_model_again_skips_the_probe_and_decodes_the_same():
     assert _tokens(again) == want
 
 
-def test_a_swapped_or_patched_layer_another_max_len_or_attention_is_probed_again():
+def test_a_swapped_or_patched_layer_or_another_attention_is_probed_again_another_max_len_is_not():
     model = build_llama()
     forwards = _Forwards(model)
     HFCausalLM(model, max_requests=2, max_len=16)
-    HFCausalLM(model, max_requests=2, max_len=24)  # windows bind against max_len
-    assert forwards.n == 2
+    for max_len in (24, 17, 300):  # the probe's calls do not depend on max_len
+        HFCausalLM(model, max_requests=2, max_len=max_len)
+    assert forwards.n == 1
     layers = model.model.layers
     layers[1] = copy.deepcopy(layers[1])
     HFCausalLM(model, max_requests=2, max_len=24)
-    assert forwards.n == 3
+    assert forwards.n == 2
     attn = layers[0].self_attn
     attn.forward = attn.forward  # an instance override, as a monkeypatch leaves it
     HFCausalLM(model, max_requests=2, max_len=24)
-    assert forwards.n == 4
+    assert forwards.n == 3
     HFCausalLM(model, max_requests=2, max_len=24)
-    assert forwards.n == 4
+    assert forwards.n == 3
     other = build_llama(attn="eager")
     counted = _Forwards(other)
     HFCausalLM(other, max_requests=2, max_len=24)
@@ -97,24 +101,69 @@ def test_a_swapped_or_patched_layer_another_max_len_or_attention_is_probed_again
     assert counted.n == 1
 
 
-def test_alternating_max_len_finds_each_probe_kept():
-    """Engines that alternate (with and without drafts: their max_len differs) each find their
-    own probe; past a few per model the least recently used one is probed again."""
+def test_prompts_of_another_length_through_generate_reuse_the_probe_and_decode_as_fresh():
+    """Every ``tfuture.generate`` call wraps the model at its own ``max_len`` (prompt + max_tokens):
+    the later calls reuse the first call's probe and give the tokens of a model never wrapped."""
+    import tfuture
+    from tfuture.scheduler import GenerationParams
+
+    params = GenerationParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(1, 1 + n)) for n in (4, 9, 6)]
     model = build_llama()
     forwards = _Forwards(model)
-    for _ in range(3):
+    got = [list(tfuture.generate(model, [p], params, progress=False)[0].token_ids) for p in prompts]
+    assert forwards.n == 1
+    for p, tokens in zip(prompts, got, strict=True):
+        fresh = copy.deepcopy(model)  # another model object: its own probe
+        assert list(tfuture.generate(fresh, [p], params, progress=False)[0].token_ids) == tokens
+
+
+def test_the_windows_are_checked_at_every_max_len_on_a_kept_probe():
+    """A kept probe's attention calls are checked against the config's windows at the new
+    ``max_len``: a disagreement is refused even though no forward runs again."""
+    model = tiny("MistralConfig", sliding_window=4)
+    forwards = _Forwards(model)
+    HFCausalLM(model, max_requests=2, max_len=32)
+    assert forwards.n == 1
+    before = model.config._attn_implementation
+    with (
+        mock.patch("tfuture.models.hf.layer_windows", return_value=(None, None)),
+        pytest.raises(
+            ValueError, match=r"layer 0 attends with sliding_window=4, its config gives it full attention"
+        ),
+    ):
+        HFCausalLM(model, max_requests=2, max_len=24)
+    assert forwards.n == 1
+    assert model.config._attn_implementation == before  # refused: left as it was
+    assert HFCausalLM(model, max_requests=2, max_len=4).pool.windows == (None, None)  # never binds
+    assert forwards.n == 1
+
+
+def test_past_a_few_kept_probes_the_least_recently_used_is_probed_again():
+    """Each instance ``forward`` override (a new bound method: another key, as a monkeypatch
+    makes one); past ``_PROBED_PER_MODEL`` of them the least recently used one is dropped."""
+    model = build_llama()
+    forwards = _Forwards(model)
+    attn = model.model.layers[1].self_attn
+    versions = [attn.forward for _ in range(hf_module._PROBED_PER_MODEL + 1)]  # distinct objects
+
+    def wrap(i: int) -> None:
+        attn.forward = versions[i]  # kept alive in versions: ids are not reused
         HFCausalLM(model, max_requests=2, max_len=16)
-        HFCausalLM(model, max_requests=2, max_len=21)
+
+    for _ in range(3):
+        wrap(0)
+        wrap(1)
     assert forwards.n == 2
     kept = hf_module._PROBED_PER_MODEL
-    for max_len in range(30, 30 + kept - 2):  # the cache is full after these
-        HFCausalLM(model, max_requests=2, max_len=max_len)
+    for i in range(2, kept):  # the cache is full after these
+        wrap(i)
     assert forwards.n == kept
-    HFCausalLM(model, max_requests=2, max_len=16)  # a hit: now the most recently used
-    HFCausalLM(model, max_requests=2, max_len=99)  # a new one drops the least recently used: 21
-    HFCausalLM(model, max_requests=2, max_len=16)
+    wrap(0)  # a hit: now the most recently used
+    wrap(kept)  # a new one drops the least recently used: version 1
+    wrap(0)
     assert forwards.n == kept + 1
-    HFCausalLM(model, max_requests=2, max_len=21)
+    wrap(1)
     assert forwards.n == kept + 2
 
 

@@ -649,6 +649,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "a model whose layers were swapped or patched since its probe is not probed again",
     ),
     Mutant(
+        "hf-probe-kept-skips-window-check",
+        "tfuture/models/hf_probe.py",
+        "    if got is None:\n        got = _probe(model, inner)\n",
+        "    if got is not None:  # a kept probe: its windows taken as the config's\n"
+        "        windows = tuple(binding(c.window, max_len) for c in got[0])\n"
+        "    else:\n        got = _probe(model, inner)\n",
+        ("tests/models/test_hf_probe_cache.py",),
+        "a kept probe's attention windows are not checked against the config at a new max_len",
+    ),
+    Mutant(
         "kv-max-len-boundary",
         "tfuture/models/kv_pool.py",
         "if kv_len > pool.max_len:",

@@ -76,11 +76,11 @@ class Shapes:
     direct: bool = False
 
 
-def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> Shapes:
-    """One-token forward through the registered attention: the key and value head shapes every
-    layer writes; ``TypeError``/``ValueError`` naming the architecture when a layer does not
-    hand the step to its attention, the head shapes differ between layers, or a layer's
-    attention call carries a window other than the one its config gives (``windows``)."""
+def _probe(model: Any, inner: str) -> tuple[tuple[Call, ...], Shapes]:
+    """One-token forward through the registered attention: every layer's attention call and
+    the key and value head shapes every layer writes; ``TypeError`` naming the architecture
+    when a layer does not hand the step to its attention or the head shapes differ between
+    layers. Nothing here depends on ``max_len`` (:func:`_check_windows` does)."""
     arch_, cfg = arch(model), model.config
     param = next(model.parameters())
     probe = Probe()
@@ -127,19 +127,27 @@ def _probe(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]
                 f"value {shapes.value}; layer {c.layer}: key {c.key[1], c.key[-1]}, value "
                 f"{c.value[1], c.value[-1]}); not supported"
             )
-        assert c.layer is not None
-        # Models that mask without passing the window (PhiMoE, Qwen2-MoE) pass None: the config decides.
-        if c.window is not None and binding(c.window, max_len) != windows[c.layer]:
-            raise ValueError(
-                f"{arch_}: layer {c.layer} attends with sliding_window={c.window!r}, its config gives it "
-                f"{describe(windows[c.layer])} (max_len={max_len}): the pooled attention cannot tell "
-                "which one its masks follow; not supported"
-            )
     try:
         direct = _direct_exact(model, inner, probe.calls)
     except Exception:  # the direct forward does not fit this model: the modules run it
         direct = False
-    return Shapes(shapes.key, shapes.value, direct)
+    return tuple(probe.calls), Shapes(shapes.key, shapes.value, direct)
+
+
+def _check_windows(
+    model: Any, calls: tuple[Call, ...], max_len: int, windows: tuple[int | None, ...]
+) -> None:
+    """``ValueError`` naming the architecture when a layer's attention call (``calls``, from the
+    probe) carries a window other than the one its config gives at ``max_len`` (``windows``)."""
+    for c in calls:
+        assert c.layer is not None
+        # Models that mask without passing the window (PhiMoE, Qwen2-MoE) pass None: the config decides.
+        if c.window is not None and binding(c.window, max_len) != windows[c.layer]:
+            raise ValueError(
+                f"{arch(model)}: layer {c.layer} attends with sliding_window={c.window!r}, its config gives "
+                f"it {describe(windows[c.layer])} (max_len={max_len}): the pooled attention cannot tell "
+                "which one its masks follow; not supported"
+            )
 
 
 def _direct_exact(model: Any, inner: str, calls: list[Call]) -> bool:
@@ -155,38 +163,41 @@ def _direct_exact(model: Any, inner: str, calls: list[Call]) -> bool:
 
 
 # Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
-# same modules, attention and windows skips the probe, a whole forward (~30 ms at 80M parameters).
-# A few keys per model: engines that alternate (with and without drafts: max_len differs) each
-# find their own (with one entry, every switch ran the probe's forwards again).
-_PROBED: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], Shapes]] = weakref.WeakKeyDictionary()
+# same modules and attention skips the probe, a whole forward and the direct forward's comparison
+# (about 20 ms at 3M parameters and 150 ms at 80M on the CPU). ``max_len`` is not in the key: a
+# generate call whose prompts or max_tokens differ from the last one's reuses the calls, and only
+# the window check (no forward) runs again. A few keys per model (the attention, swapped layers).
+_PROBED: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], tuple[tuple[Call, ...], Shapes]]] = (
+    weakref.WeakKeyDictionary()
+)
 _PROBED_LOCK = threading.Lock()
 _PROBED_PER_MODEL = 8
 
 
 def probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> Shapes:
     """:func:`_probe`, or its result for this model when nothing it depends on changed since: the
-    same attention, ``max_len`` and windows, and the same module objects with the same classes,
-    class ``forward`` functions and instance ``forward`` overrides (a layer swapped, or patched
-    on itself or on its class, is probed again). The few most recently used results per model
-    are kept; refusals are not."""
+    same attention and the same module objects with the same classes, class ``forward``
+    functions and instance ``forward`` overrides (a layer swapped, or patched on itself or on
+    its class, is probed again); then the calls' windows checked against ``windows`` at
+    ``max_len`` (:func:`_check_windows`, every time). The few most recently used results per
+    model are kept; refusals are not."""
     key = (
         inner,
-        max_len,
-        windows,
         tuple((id(m), type(m), id(m.__dict__.get("forward")), type(m).forward) for m in model.modules()),
     )
     with _PROBED_LOCK:
         seen = _PROBED.get(model)
-        shapes = None if seen is None else seen.pop(key, None)
-        if shapes is not None:
+        got = None if seen is None else seen.pop(key, None)
+        if got is not None:
             assert seen is not None
-            seen[key] = shapes  # the most recently used goes last: the oldest is dropped first
-    if shapes is not None:
-        return shapes
-    shapes = _probe(model, inner, max_len, windows)
-    with _PROBED_LOCK:
-        seen = _PROBED.setdefault(model, {})
-        seen[key] = shapes
-        while len(seen) > _PROBED_PER_MODEL:
-            del seen[next(iter(seen))]  # the least recently used
+            seen[key] = got  # the most recently used goes last: the oldest is dropped first
+    if got is None:
+        got = _probe(model, inner)
+        with _PROBED_LOCK:
+            seen = _PROBED.setdefault(model, {})
+            seen[key] = got
+            while len(seen) > _PROBED_PER_MODEL:
+                del seen[next(iter(seen))]  # the least recently used
+    calls, shapes = got
+    _check_windows(model, calls, max_len, windows)
     return shapes
