@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import tfuture.core.future_map
-import tfuture.runtime
+import tfuture.steps.launch
 from tfuture.core.slots import FutureIndices
 from tfuture.runtime import OverlapRuntime
 from tfuture.streams.staging import Staging, StagingRing
@@ -80,7 +80,7 @@ def _ring_without_wait(ring_name: str, real: Callable[..., Staging]) -> Callable
 
 
 class _SharedStagedParts:
-    """``tfuture.runtime.fresh_parts``, but a CPU map's staged parts land in one array shared by
+    """``tfuture.steps.launch.fresh_parts``, but a CPU map's staged parts land in one array shared by
     every step (each part a view of it): the host overwrites a step's inputs before the stream
     read them (the CPU twin of an input staging buffer reused before its copy ran)."""
 
@@ -101,7 +101,7 @@ class _SharedStagedParts:
 
 
 class _SharedResultWords:
-    """``tfuture.runtime.fresh_words``, but a CPU map's step results land in one array shared by
+    """``tfuture.steps.launch.fresh_words``, but a CPU map's step results land in one array shared by
     every step: a later step's copy overwrites a step's results before the host read them (the
     CPU twin of an output staging buffer reused before the host read it)."""
 
@@ -186,10 +186,10 @@ def plant(*names: str) -> Iterator[None]:
                 patch(mock.patch.object(StagingRing, "acquire", _ring_without_wait(ring, real_acquire)))
                 if name == "no_input_keepalive":
                     # A CPU map stages no input buffer: its steps' fresh arrays become one.
-                    patch(mock.patch.object(tfuture.runtime, "fresh_parts", _SharedStagedParts()))
+                    patch(mock.patch.object(tfuture.steps.launch, "fresh_parts", _SharedStagedParts()))
                 else:
                     # Nor an output buffer: its steps' fresh result arrays become one.
-                    patch(mock.patch.object(tfuture.runtime, "fresh_words", _SharedResultWords()))
+                    patch(mock.patch.object(tfuture.steps.launch, "fresh_words", _SharedResultWords()))
             else:
                 _late_delayed_sample(stack)
         yield

@@ -98,6 +98,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.spec.verify", "tfuture.spec.penalties"},  # acceptance, rejection sampling, penalties
     {"tfuture.steps", "tfuture.steps.masks", "tfuture.steps.samplers", "tfuture.steps.checks"},
     {"tfuture.steps.base"},  # the step-kind interface
+    {"tfuture.steps.launch"},  # how the runtime stages and submits a step of any kind
     {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token_state"},  # a token step's records
     {"tfuture.steps.token"},

@@ -404,7 +404,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- runtime, streams, steps
     Mutant(
         "runtime-release-consumes-before-prepare",
-        "tfuture/runtime.py",
+        "tfuture/steps/launch.py",
         "        delayed = rec.delayed = plan.delayed\n",
         "        fmap.release_live(consumes)\n        delayed = rec.delayed = plan.delayed\n",
         ("tests/runtime/test_release_order.py",),
@@ -783,7 +783,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "runtime-trailing-empty-parts",
-        "tfuture/runtime.py",
+        "tfuture/steps/launch.py",
         "            if trailing > 0:\n                views += empties\n",
         "            if trailing > 0:\n                views += empties[1:]\n",
         ("tests/runtime/test_runtime.py",),
@@ -791,7 +791,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "runtime-layout-mixed-empties",
-        "tfuture/runtime.py",
+        "tfuture/steps/launch.py",
         "live = parts[:n_live] if trailing >= 0 else",
         "live = parts[:n_live] if True else",
         ("tests/runtime/test_sampling_runtime.py",),
@@ -799,7 +799,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "runtime-consumes-released-trusted",
-        "tfuture/runtime.py",
+        "tfuture/steps/launch.py",
         "if type(h) is not FutureIndices or h._pool is not fmap or h._released or h._gens is not None:",
         "if type(h) is not FutureIndices or h._pool is not fmap or h._gens is not None:",
         ("tests/runtime/test_misuse_runtime.py",),
@@ -807,7 +807,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "runtime-cpu-flag-dropped",
-        "tfuture/runtime.py",
+        "tfuture/steps/launch.py",
         "rec.words = fresh_words(words, err)",
         "rec.words = fresh_words(words, err * 0)",
         ("tests/runtime/test_misuse_runtime.py",),
@@ -815,7 +815,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "runtime-ring-never-packed",
-        "tfuture/runtime.py",
+        "tfuture/steps/launch.py",
         'np.concatenate(live, out=staging.array[:total], casting="unsafe")',
         "pass",
         ("tests/runtime/test_staging_ring.py",),
@@ -855,7 +855,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "runtime-slots-never-staged",
-        "tfuture/runtime.py",
+        "tfuture/steps/launch.py",
         "            if plan.with_out is not None:\n                plan.with_out(out)\n",
         "",
         ("tests/runtime/test_step_graphs.py",),
