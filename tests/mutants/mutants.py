@@ -569,7 +569,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "engine-drafter-shared-by-open-engines",
-        "tfuture/engine/engine.py",
+        "tfuture/engine/speculative.py",
         "if other is not None and other is not engine and other.drafter is drafter:",
         "if False:",
         ("tests/spec/test_spec_engine.py",),

@@ -15,7 +15,8 @@ reason ``"error"``: :meth:`Engine.generate` re-raises the exception (driving) or
 :class:`EngineError` from it (waiting), a stream raises :class:`EngineError` from it, and the
 engine stays usable for new requests. A request's callback that raises (``on_tokens``, or
 ``submit(callback=)``) ends that request only, with reason ``"error"`` and the exception; the
-engine serves the other requests on (the ``generate`` call it belongs to re-raises it).
+engine serves the other requests on (the ``generate`` call it belongs to re-raises it). The
+driving itself is :class:`tfuture.engine.driver.RunDriver`, the engine's base.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from tfuture.core.future_map import FutureMap
+from tfuture.engine.driver import RunDriver
 from tfuture.engine.inputs import (
     Prompt,
     _adapt,
@@ -38,9 +39,7 @@ from tfuture.engine.inputs import (
     _count,
     _device,
     _eos,
-    _merge,
     _progress_bar,
-    _run_context,
     _vocab,
     context,
 )
@@ -52,7 +51,7 @@ from tfuture.engine.outputs import (
     _Collector,
 )
 from tfuture.engine.requests import RequestPreparer, _Prepared
-from tfuture.engine.speculative import check_drafter, margin, spec_step
+from tfuture.engine.speculative import chain, check_drafter, claim_drafter, margin, spec_step
 from tfuture.runtime import OverlapRuntime
 from tfuture.sampling import Sampler
 from tfuture.scheduler.options import GenerationParams
@@ -77,7 +76,7 @@ __all__ = [
 OnTokens = Callable[["Engine", TokenUpdate], None]
 
 
-class Engine:
+class Engine(RunDriver):
     """Serve one model: :meth:`submit`, :meth:`abort`, :meth:`stream`, :meth:`generate`.
 
     Args:
@@ -189,12 +188,12 @@ class Engine:
                 )
             else:
                 assert self.max_len is not None
-                _claim_drafter(self.drafter, self)
+                claim_drafter(self.drafter, self)
                 kind, draft_back = spec_step(
                     self.model, self.drafter, self.sampler, max_running, self.max_len + extra, multi_step > 1
                 )
                 if draft_back is not None:  # the draft model's state, given back with the model's
-                    give_back = self._give_back = _chain(give_back, draft_back)
+                    give_back = self._give_back = chain(give_back, draft_back)
                 self.runtime = OverlapRuntime(kind, self.fmap, overlap=overlap, stream=stream, trace=trace)
             self.scheduler = ServingScheduler(
                 self.fmap,
@@ -324,12 +323,6 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def busy(self) -> bool:
-        """True while a thread drives the runtime."""
-        with self._cond:
-            return self._driver is not None
-
     # ------------------------------------------------------------------ internals
     def _add_many(
         self,
@@ -360,108 +353,3 @@ class Engine:
             if start:
                 self._ensure_driver()
         return rids
-
-    def _ensure_driver(self) -> None:
-        """Under the lock: start the background thread unless a thread drives the runtime."""
-        if self._driver is None and self.scheduler.has_work():
-            self._driver = "background"
-            self._thread = threading.Thread(target=self._serve, name="tfuture-engine", daemon=True)
-            self._driver_thread = self._thread
-            self._thread.start()
-
-    def _check_not_driving(self, what: str) -> None:
-        """Raise on the thread that drives the runtime (a callback): waiting there would wait
-        for itself."""
-        if threading.current_thread() is self._driver_thread:
-            raise RuntimeError(
-                f"{what} waits for the engine's run, and this thread drives that run (a callback): "
-                "submit() requests here instead, and read their results elsewhere"
-            )
-
-    def _serve(self) -> None:
-        """The background thread: run while there is work, then end."""
-        while True:
-            with self._cond:
-                if not self.scheduler.has_work():
-                    self._driver, self._thread, self._driver_thread = None, None, None
-                    self._give_back_if_done()
-                    self._cond.notify_all()
-                    return
-            self._run(raise_error=False)
-
-    def _drive(self) -> RunStats | None:
-        """The foreground: run on this thread until the engine is idle."""
-        stats: RunStats | None = None
-        try:
-            while True:
-                stats = _merge(stats, self._run(raise_error=True))
-                with self._cond:
-                    if not self.scheduler.has_work():
-                        self._driver, self._driver_thread = None, None
-                        self._give_back_if_done()
-                        self._cond.notify_all()
-                        return stats
-        except BaseException:
-            with self._cond:
-                self._driver, self._driver_thread = None, None
-                self._ensure_driver()  # requests added by a callback while failing
-                self._give_back_if_done()
-            raise
-
-    def _give_back_if_done(self) -> None:
-        """Under the lock: once closed and no thread drives a run, give a Hugging Face model
-        this engine wrapped its mode and attention back (once)."""
-        if self._closed and self._driver is None and self._give_back is not None:
-            give_back, self._give_back = self._give_back, None
-            give_back()
-
-    def _run(self, raise_error: bool) -> RunStats | None:
-        try:
-            with _run_context(self.fmap.device):
-                stats = self.runtime.run(self.scheduler)
-        except BaseException as e:
-            self.last_error = e
-            self.scheduler.fail(e)
-            if raise_error:
-                raise
-            return None
-        self.scheduler.end_run()
-        self.last_stats = stats
-        return stats
-
-
-# The engine each drafter is bound to (by the drafter's id; the entry is checked by identity).
-_DRAFTER_OWNERS: dict[int, weakref.ref[Engine]] = {}
-_DRAFTER_LOCK = threading.Lock()
-
-
-def _claim_drafter(drafter: Any, engine: Engine) -> None:
-    """Bind ``drafter`` to ``engine``, or raise ``ValueError`` while another engine that holds
-    it is open or still running: binding re-sizes the drafter's rows and history, under that
-    engine's requests."""
-    with _DRAFTER_LOCK:
-        for key in [k for k, ref in _DRAFTER_OWNERS.items() if ref() is None]:
-            del _DRAFTER_OWNERS[key]
-        ref = _DRAFTER_OWNERS.get(id(drafter))
-        other = None if ref is None else ref()
-        if other is not None and other is not engine and other.drafter is drafter:
-            if not getattr(other, "_closed", True) or getattr(other, "_driver", None) is not None:
-                raise ValueError(
-                    f"this {type(drafter).__name__} is the drafter of another Engine that is still open: "
-                    "a drafter serves one engine at a time (its rows and history are bound to that "
-                    "engine's requests); close that engine first, or give each engine its own drafter"
-                )
-        _DRAFTER_OWNERS[id(drafter)] = weakref.ref(engine)
-
-
-def _chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
-    """Call ``first`` (if any), then ``then``."""
-
-    def both() -> None:
-        try:
-            if first is not None:
-                first()
-        finally:
-            then()
-
-    return both

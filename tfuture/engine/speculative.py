@@ -9,6 +9,8 @@ rows wait for grammar masks, one per draft it verifies; the others' do not.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ from tfuture.engine.model_state import wrap
 from tfuture.sampling import Sampler
 from tfuture.spec import Drafter, ModelDrafter, SpecTokenStep, SpecWindowStep
 
-__all__ = ["check_drafter", "margin", "spec_step"]
+__all__ = ["chain", "check_drafter", "claim_drafter", "margin", "spec_step"]
 
 
 def check_drafter(drafter: object) -> Drafter | None:
@@ -68,3 +70,40 @@ def spec_step(
         if give_back is not None:
             give_back()
         raise
+
+
+# The engine each drafter is bound to (by the drafter's id; the entry is checked by identity).
+_DRAFTER_OWNERS: dict[int, weakref.ref[Any]] = {}
+_DRAFTER_LOCK = threading.Lock()
+
+
+def claim_drafter(drafter: Any, engine: Any) -> None:
+    """Bind ``drafter`` to ``engine``, or raise ``ValueError`` while another engine that holds
+    it is open or still running: binding re-sizes the drafter's rows and history, under that
+    engine's requests."""
+    with _DRAFTER_LOCK:
+        for key in [k for k, ref in _DRAFTER_OWNERS.items() if ref() is None]:
+            del _DRAFTER_OWNERS[key]
+        ref = _DRAFTER_OWNERS.get(id(drafter))
+        other = None if ref is None else ref()
+        if other is not None and other is not engine and other.drafter is drafter:
+            if not getattr(other, "_closed", True) or getattr(other, "_driver", None) is not None:
+                raise ValueError(
+                    f"this {type(drafter).__name__} is the drafter of another Engine that is still open: "
+                    "a drafter serves one engine at a time (its rows and history are bound to that "
+                    "engine's requests); close that engine first, or give each engine its own drafter"
+                )
+        _DRAFTER_OWNERS[id(drafter)] = weakref.ref(engine)
+
+
+def chain(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
+    """Call ``first`` (if any), then ``then``."""
+
+    def both() -> None:
+        try:
+            if first is not None:
+                first()
+        finally:
+            then()
+
+    return both
