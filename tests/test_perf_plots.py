@@ -9,6 +9,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("pandas")
@@ -176,7 +177,7 @@ def test_the_overlap_ratio_plot_draws_the_sync_2x_bound() -> None:
 def test_bench_generate_plots_every_model_and_thread_count_with_units(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One tokens/s plot per (model, torch threads), lines overlap, sync and hf; tfuture's
+    """One tokens/s plot per (model, torch threads), lines overlap, sync, hf and hf_cb; tfuture's
     tokens are checked against HF greedy (the padded batch, else each request unpadded)."""
     from perf import bench_generate as bg
 
@@ -189,7 +190,7 @@ def test_bench_generate_plots_every_model_and_thread_count_with_units(
         assert (
             "tokens/s" in look.what
             and "per second" in look.ylabel
-            and b.line_names == ["overlap", "sync", "hf"]
+            and b.line_names == ["overlap", "sync", "hf", "hf_cb"]
         )
     same = {"overlap": [[1, 2]], "sync": [[1, 2]], "hf": [[1, 2]]}
     bg.check_tokens(None, [[5]], 2, same)  # the padded batch agrees: nothing more runs
@@ -200,6 +201,36 @@ def test_bench_generate_plots_every_model_and_thread_count_with_units(
         bg.check_tokens(None, [[5]], 2, same | {"sync": [[1, 3]]})
     monkeypatch.setattr(bg, "hf_run", lambda model, ps, new: (0.0, [[1, 2]]))
     bg.check_tokens(None, [[5]], 2, same | {"hf": [[9, 9]]})  # unpadded HF agrees
+
+
+def test_bench_generate_hf_cb_line_gives_hf_tokens_or_says_why_it_is_empty(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hf_cb line (``model.generate_batch``, its cache sized for the batch) gives the padded
+    ``generate``'s greedy tokens on a small model; where it fails, the line is NaN and the first
+    reason is kept for summary.json and meta.json."""
+    pytest.importorskip("transformers")
+    import math
+
+    from perf import bench_generate as bg
+    from tfuture.examples.hf import build_llama
+
+    monkeypatch.setattr(bg, "CB_SKIPPED", [])
+    model = build_llama()
+    ps = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    with torch.inference_mode():
+        rate, tokens = bg.hf_cb_run(model, ps, 3)
+        if bg.CB_SKIPPED:
+            pytest.skip(f"this transformers' continuous batching does not run here: {bg.CB_SKIPPED[0]}")
+        assert rate > 0 and tokens == [bg.hf_run(model, [p], 3)[1][0] for p in ps]
+
+    class Broken:
+        def generate_batch(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("planted")
+
+    rate, tokens = bg.hf_cb_run(Broken(), ps, 3)
+    assert math.isnan(rate) and tokens == [] and "planted" in bg.CB_SKIPPED[0]
+    assert math.isnan(bg.hf_cb_run(model, ps, 3)[0])  # the first failure empties the line
 
 
 def test_bench_direct_plots_every_model_with_units() -> None:
