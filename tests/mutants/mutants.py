@@ -964,7 +964,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "batcher-invalid-json-returned-as-valid",
-        "tfuture/scheduler/batcher.py",
+        "tfuture/scheduler/results.py",
         "        why = invalid_output(m)\n",
         "        why = None\n",
         ("tests/grammars/test_json_invalid.py",),
