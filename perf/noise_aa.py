@@ -38,7 +38,11 @@ def generate_runs(size: str, threads: int, batch: int) -> tuple[Runs, int]:
         raise SystemExit("noise_aa: transformers is missing (the hf extra)")
     torch.set_num_threads(threads)
     warm = bg.prompts(size, 2)
-    bg.hf_run(model, warm, 4), bg.tfuture_run(model, warm, 4, True)  # first-call costs out, as measure()
+    (
+        bg.hf_run(model, warm, 4),
+        bg.hf_cb_run(model, warm, 4),
+        bg.tfuture_run(model, warm, 4, True),
+    )  # as measure()
     ps, tokens = bg.prompts(size, batch), {}
     runs = bg.runs(model, ps, bg.NEW[size], tokens)
     runs["sync again"] = runs["sync"]

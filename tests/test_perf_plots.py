@@ -232,6 +232,21 @@ def test_bench_generate_hf_cb_line_gives_hf_tokens_or_says_why_it_is_empty(
     assert math.isnan(rate) and tokens == [] and "planted" in bg.CB_SKIPPED[0]
     assert math.isnan(bg.hf_cb_run(model, ps, 3)[0])  # the first failure empties the line
 
+    # generate_batch catches a failure itself and returns what it has: an error, short tokens.
+    from transformers.generation.continuous_batching.requests import GenerationOutput
+
+    class Caught:
+        def generate_batch(self, *args: object, **kwargs: object) -> dict[str, object]:
+            return {
+                "req_0": GenerationOutput("req_0", generated_tokens=[1, 2, 3]),
+                "req_1": GenerationOutput("req_1", generated_tokens=[4], error="planted in the loop"),
+            }
+
+    monkeypatch.setattr(bg, "CB_SKIPPED", [])
+    rate, tokens = bg.hf_cb_run(Caught(), ps, 3)
+    assert math.isnan(rate) and tokens == [] and "req_1: 1 of 3 tokens" in bg.CB_SKIPPED[0]
+    assert "planted in the loop" in bg.CB_SKIPPED[0]
+
 
 def test_bench_direct_plots_every_model_with_units() -> None:
     """One ms-per-step plot per model, lines modules and direct over its batches."""

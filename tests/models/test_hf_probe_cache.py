@@ -120,23 +120,35 @@ def test_prompts_of_another_length_through_generate_reuse_the_probe_and_decode_a
 
 def test_the_windows_are_checked_at_every_max_len_on_a_kept_probe():
     """A kept probe's attention calls are checked against the config's windows at the new
-    ``max_len``: a disagreement is refused even though no forward runs again."""
+    ``max_len``: a layer whose attention call carries a window its config does not give (here
+    the config's reading patched to say full attention) passes where that window never binds
+    (``max_len`` 4) and is refused where it would (32), though no forward runs again."""
     model = tiny("MistralConfig", sliding_window=4)
     forwards = _Forwards(model)
-    HFCausalLM(model, max_requests=2, max_len=32)
-    assert forwards.n == 1
-    before = model.config._attn_implementation
-    with (
-        mock.patch("tfuture.models.hf.layer_windows", return_value=(None, None)),
-        pytest.raises(
+    with mock.patch("tfuture.models.hf.layer_windows", return_value=(None, None)):
+        assert HFCausalLM(model, max_requests=2, max_len=4).pool.windows == (None, None)
+        assert forwards.n == 1
+        before = model.config._attn_implementation
+        with pytest.raises(
             ValueError, match=r"layer 0 attends with sliding_window=4, its config gives it full attention"
-        ),
-    ):
-        HFCausalLM(model, max_requests=2, max_len=24)
+        ):
+            HFCausalLM(model, max_requests=2, max_len=32)
     assert forwards.n == 1
     assert model.config._attn_implementation == before  # refused: left as it was
-    assert HFCausalLM(model, max_requests=2, max_len=4).pool.windows == (None, None)  # never binds
+
+
+def test_a_config_window_changed_since_the_probe_is_probed_again():
+    """The attention calls carry the window the module read from its config during the probe:
+    a window switched off (or changed) in the config since is probed again, not refused on the
+    old calls; a max_len that keeps the config's windows reuses the probe."""
+    model = tiny("MistralConfig", sliding_window=4)
+    forwards = _Forwards(model)
+    assert HFCausalLM(model, max_requests=2, max_len=32).pool.windows == (4, 4)
+    assert HFCausalLM(model, max_requests=2, max_len=24).pool.windows == (4, 4)
     assert forwards.n == 1
+    model.config.sliding_window = None  # the user turns the window off
+    assert HFCausalLM(model, max_requests=2, max_len=32).pool.windows == (None, None)
+    assert forwards.n == 2
 
 
 def test_past_a_few_kept_probes_the_least_recently_used_is_probed_again():

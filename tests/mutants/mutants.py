@@ -649,6 +649,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a model whose layers were swapped or patched since its probe is not probed again",
     ),
     Mutant(
+        "hf-probe-cache-ignores-windows",
+        "tfuture/models/hf_probe.py",
+        "        inner,\n        windows,\n",
+        "        inner,\n",
+        ("tests/models/test_hf_probe_cache.py",),
+        "a probe kept from before the config's window changed refuses the model on stale calls",
+    ),
+    Mutant(
         "hf-probe-kept-skips-window-check",
         "tfuture/models/hf_probe.py",
         "    if got is None:\n        got = _probe(model, inner)\n",

@@ -144,8 +144,9 @@ class HFCausalLM:
 
     Construction runs a one-token probe forward and refuses (``TypeError``) architectures the
     pooled attention cannot serve (see the module docstring); the model is left unchanged then.
-    Wrapping the same model again skips the probe while its modules, attention implementation,
-    ``max_len`` and windows are the ones probed.
+    Wrapping the same model again skips the probe while its modules, attention implementation
+    and windows (as its config gives them at ``max_len``) are the ones probed; another
+    ``max_len`` alone only checks the probed attention calls' windows again (no forward).
 
     One run at a time: the first ``forward`` (or ``release``) of a run claims the adapter for
     that run's host thread and ``close()`` (called by the runtime when the run ends or fails)

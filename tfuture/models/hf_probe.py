@@ -163,10 +163,13 @@ def _direct_exact(model: Any, inner: str, calls: list[Call]) -> bool:
 
 
 # Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
-# same modules and attention skips the probe, a whole forward and the direct forward's comparison
-# (about 20 ms at 3M parameters and 150 ms at 80M on the CPU). ``max_len`` is not in the key: a
-# generate call whose prompts or max_tokens differ from the last one's reuses the calls, and only
-# the window check (no forward) runs again. A few keys per model (the attention, swapped layers).
+# same modules, attention and windows skips the probe, a whole forward and the direct forward's
+# comparison (about 20 ms at 3M parameters and 150 ms at 80M on the CPU). ``max_len`` is not in the
+# key, only the windows the config gives at it (the same for every max_len below a model's
+# smallest window, and None for every layer of a model without one): a generate call whose
+# prompts or max_tokens differ from the last one's reuses the calls, and only the window check (no
+# forward) runs again. A config whose window changed since (the calls carry the window the
+# attention read then) is probed again. A few keys per model.
 _PROBED: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], tuple[tuple[Call, ...], Shapes]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -176,13 +179,14 @@ _PROBED_PER_MODEL = 8
 
 def probed(model: Any, inner: str, max_len: int, windows: tuple[int | None, ...]) -> Shapes:
     """:func:`_probe`, or its result for this model when nothing it depends on changed since: the
-    same attention and the same module objects with the same classes, class ``forward``
-    functions and instance ``forward`` overrides (a layer swapped, or patched on itself or on
-    its class, is probed again); then the calls' windows checked against ``windows`` at
-    ``max_len`` (:func:`_check_windows`, every time). The few most recently used results per
-    model are kept; refusals are not."""
+    same attention, the same ``windows`` (the config's at ``max_len``) and the same module
+    objects with the same classes, class ``forward`` functions and instance ``forward``
+    overrides (a layer swapped, or patched on itself or on its class, is probed again); then the
+    calls' windows checked against ``windows`` at ``max_len`` (:func:`_check_windows`, every
+    time). The few most recently used results per model are kept; refusals are not."""
     key = (
         inner,
+        windows,
         tuple((id(m), type(m), id(m.__dict__.get("forward")), type(m).forward) for m in model.modules()),
     )
     with _PROBED_LOCK:
