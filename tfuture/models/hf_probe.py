@@ -165,8 +165,8 @@ def _direct_exact(model: Any, inner: str, calls: list[Call]) -> bool:
 # Probe results by model: wrapping a model again (every tfuture.generate call wraps it) with the
 # same modules, attention and windows skips the probe, a whole forward and the direct forward's
 # comparison (about 20 ms at 3M parameters and 150 ms at 80M on the CPU). ``max_len`` is not in the
-# key, only the windows the config gives at it (the same for every max_len below a model's
-# smallest window, and None for every layer of a model without one): a generate call whose
+# key, only the windows the config gives at it (they change only where max_len crosses a layer's
+# window: never for a model without sliding windows): a generate call whose
 # prompts or max_tokens differ from the last one's reuses the calls, and only the window check (no
 # forward) runs again. A config whose window changed since (the calls carry the window the
 # attention read then) is probed again. A few keys per model.
