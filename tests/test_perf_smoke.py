@@ -150,3 +150,41 @@ def test_the_checked_floor_keeps_the_bookkeeping_rules(n: int) -> None:
         FloorMap(n).release(keep)
     fmap.release(keep)
     assert fmap.in_use == 0 and fmap.refs[1:].sum() == 0
+
+
+def test_profile_spec_phases_wraps_every_phase_and_puts_it_back() -> None:
+    """Each phase of ``perf.profile_spec_phases`` resolves, is timed while wrapped (a speculative
+    run through the wrappers gives plain decoding's tokens), and is the original again after."""
+    pytest.importorskip("transformers")
+    import importlib
+    from collections import defaultdict
+
+    import tfuture
+    from perf import profile_spec_phases as ps
+    from tfuture.examples.hf import build_llama
+    from tfuture.scheduler import GenerationParams
+
+    def current() -> list[Any]:
+        got = []
+        for modname, path in ps.PHASES:
+            owner: Any = importlib.import_module(modname)
+            *owners, name = path.split(".")
+            for o in owners:
+                owner = getattr(owner, o)
+            got.append(owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+        return got
+
+    before = current()
+    model = build_llama()
+    params = GenerationParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 10, 11, 12]]
+    want = [r.token_ids for r in tfuture.generate(model, prompts, params, progress=False)]
+    totals: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    with ps.timed_phases(totals, calls):
+        assert all(a is not b for a, b in zip(current(), before, strict=True))
+        got = tfuture.generate(model, prompts, params, speculative=tfuture.NGramDrafter(k=2), progress=False)
+    assert [r.token_ids for r in got] == want
+    assert calls["SpecTokenStep._verify"] >= 1 and calls["HFCausalLM.forward"] >= 1
+    assert totals["StepLauncher._launch"] >= totals["HFCausalLM.forward"] > 0
+    assert all(a is b for a, b in zip(current(), before, strict=True))
