@@ -649,6 +649,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "a model whose layers were swapped or patched since its probe is not probed again",
     ),
     Mutant(
+        "spec-store-tokens-numpy-unclamped",
+        "tfuture/spec/step_rows.py",
+        "flat = np.minimum(np.maximum(drafts.reshape(-1).numpy(), 0), top)",
+        "flat = drafts.reshape(-1).numpy()",
+        SPEC_VERIFY,
+        "a drafter's out-of-vocab id reaches the slots (and the next step's input) on the CPU",
+    ),
+    Mutant(
         "hf-probe-cache-ignores-windows",
         "tfuture/models/hf_probe.py",
         "        inner,\n        windows,\n",

@@ -160,7 +160,7 @@ def test_true_positions_numpy_equals_the_torch_path() -> None:
     the other requests' rows and the inputs themselves are untouched."""
     from types import SimpleNamespace
 
-    from tfuture.spec.step_rows import true_positions, true_positions_numpy
+    from tfuture.spec.step_rows import true_positions_numpy, true_positions_torch
 
     seg = np.array([3, 1, 5, 2])  # requests 0 and 2 verify (2 and 4 drafts), 1 and 3 do not
     prefix = np.array([20, 7, 40, 11])
@@ -181,7 +181,7 @@ def test_true_positions_numpy_equals_the_torch_path() -> None:
     fwd = SimpleNamespace(
         positions=torch.from_numpy(positions.copy()), seq_lens=torch.from_numpy(seq_lens.copy())
     )
-    got, want = true_positions_numpy(fwd, inputs, field), true_positions(fwd, inputs, field)
+    got, want = true_positions_numpy(fwd, inputs, field), true_positions_torch(fwd, inputs, field)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     true_prefix = np.array([3 * 5 - 1, 7, 3 * 12 - 1, 11])
     assert got[1].tolist() == (true_prefix + seg).tolist()
@@ -190,6 +190,50 @@ def test_true_positions_numpy_equals_the_torch_path() -> None:
         == np.concatenate([p + np.arange(n) for p, n in zip(true_prefix, seg, strict=True)]).tolist()
     )
     assert fwd.positions.tolist() == positions.tolist() and fwd.seq_lens.tolist() == seq_lens.tolist()
+
+
+def test_new_lengths_and_store_tokens_numpy_equal_the_torch_path() -> None:
+    """Each sampling request's new length (its step's length less the drafts it verified, plus
+    what it committed) and the tokens its fresh slots take (its last committed token, 0 where
+    none, then its drafts clamped into the vocab), on the CPU (numpy) as on the device (torch)."""
+    from types import SimpleNamespace
+
+    from tfuture.spec.step_rows import (
+        new_lengths_numpy,
+        new_lengths_torch,
+        store_tokens_numpy,
+        store_tokens_torch,
+    )
+
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        n, k = int(rng.integers(1, 6)), int(rng.integers(0, 4))
+        n_reqs = n + int(rng.integers(0, 3))  # requests that do not sample too
+        sample_idx = np.sort(rng.choice(n_reqs, n, replace=False))
+        n_verify = rng.integers(0, 5, n)
+        n_commit = torch.from_numpy(rng.integers(1, 6, n))
+        seq_lens = torch.from_numpy(rng.integers(10, 90, n_reqs))
+        kd = rng.integers(0, k + 1, n)  # drafts each request makes (at most k)
+        first = np.cumsum(1 + kd) - 1 - kd
+        out_draft = np.concatenate([first[i] + 1 + np.arange(kd[i]) for i in range(n)]).astype(np.int64)
+        draft_at = np.concatenate([i * k + np.arange(kd[i]) for i in range(n)]).astype(np.int64)
+        inputs = SimpleNamespace(
+            sample_idx=torch.from_numpy(sample_idx),
+            n_verify=torch.from_numpy(n_verify),
+            out_first=torch.from_numpy(first),
+            out_draft=torch.from_numpy(out_draft),
+            draft_at=torch.from_numpy(draft_at),
+        )
+        want = new_lengths_torch(seq_lens, inputs, n_commit)
+        assert torch.equal(new_lengths_numpy(seq_lens, inputs, n_commit), want), trial
+        assert want.tolist() == (seq_lens.numpy()[sample_idx] - n_verify + n_commit.numpy()).tolist()
+        last = torch.from_numpy(rng.integers(-1, 50, n))
+        drafts = torch.from_numpy(rng.integers(-3, 60, (n, k)))  # some out of [0, 49]
+        n_out = int((1 + kd).sum())
+        want = store_tokens_torch(last, drafts, inputs, n_out, 49)
+        assert torch.equal(store_tokens_numpy(last, drafts, inputs, n_out, 49), want), trial
+        assert want[torch.from_numpy(first)].tolist() == last.clamp_min(0).tolist()
+        assert int(want.min()) >= 0 and int(want.max()) <= 49
 
 
 def _history(tokens: list[int]) -> tuple[NGramDrafter, DraftContext]:

@@ -45,7 +45,7 @@ from tfuture.spec.penalties import (
     record_committed,
 )
 from tfuture.spec.staging import stage_drafts
-from tfuture.spec.step_rows import new_lengths, store_tokens, true_positions, true_positions_numpy
+from tfuture.spec.step_rows import new_lengths, store_tokens, true_positions
 from tfuture.spec.verify import RowParams, Verified, verify_greedy_host, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import check_rows, check_width, mask_on_stream
@@ -202,9 +202,7 @@ class SpecTokenStep(TokenStep):
         if inputs.spec_reqs.numel():
             # The accepted counts stay on the device: each verifying request's true prefix is its
             # previous step's seq_len field minus its last token; the host staged only a bound.
-            seq_len = self.fields.buffer("seq_len")
-            shift = true_positions_numpy if seq_len.device.type == "cpu" else true_positions
-            positions, seq_lens = shift(fwd, inputs, seq_len)
+            positions, seq_lens = true_positions(fwd, inputs, self.fields.buffer("seq_len"))
             fwd = fwd._replace(positions=positions, seq_lens=seq_lens)
         state.fwd = fwd._replace(sample_rows=inputs.vrows)
         if not self.drafts:
