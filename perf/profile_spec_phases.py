@@ -54,17 +54,11 @@ PHASES = [
 def timed_phases(totals: dict[str, float], calls: dict[str, int]) -> Iterator[None]:
     """Wrap every phase of :data:`PHASES` in a timer adding to ``totals`` and ``calls``; undone
     on exit."""
-    import importlib
 
     undo: list[Callable[[], None]] = []
     try:
         for modname, path in PHASES:
-            mod = importlib.import_module(modname)
-            *owners, name = path.split(".")
-            owner: Any = mod
-            for o in owners:
-                owner = getattr(owner, o)
-            real = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            owner, name, real = phase(modname, path)
             fn = real.__func__ if isinstance(real, staticmethod) else real
             wrapped = _timer(path, fn, totals, calls)
             new = staticmethod(wrapped) if isinstance(real, staticmethod) else wrapped
@@ -82,6 +76,18 @@ def timed_phases(totals: dict[str, float], calls: dict[str, int]) -> Iterator[No
     finally:
         for u in reversed(undo):
             u()
+
+
+def phase(modname: str, path: str) -> tuple[Any, str, Any]:
+    """``(owner, name, value)`` of a phase: the module or class holding it, its attribute name,
+    and what that attribute holds there (a class's ``staticmethod`` object itself)."""
+    import importlib
+
+    *owners, name = path.split(".")
+    owner: Any = importlib.import_module(modname)
+    for o in owners:
+        owner = getattr(owner, o)
+    return owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
 
 def _restorer(target: Any, name: str, value: Any) -> Callable[[], None]:

@@ -156,7 +156,6 @@ def test_profile_spec_phases_wraps_every_phase_and_puts_it_back() -> None:
     """Each phase of ``perf.profile_spec_phases`` resolves, is timed while wrapped (a speculative
     run through the wrappers gives plain decoding's tokens), and is the original again after."""
     pytest.importorskip("transformers")
-    import importlib
     from collections import defaultdict
 
     import tfuture
@@ -165,14 +164,7 @@ def test_profile_spec_phases_wraps_every_phase_and_puts_it_back() -> None:
     from tfuture.scheduler import GenerationParams
 
     def current() -> list[Any]:
-        got = []
-        for modname, path in ps.PHASES:
-            owner: Any = importlib.import_module(modname)
-            *owners, name = path.split(".")
-            for o in owners:
-                owner = getattr(owner, o)
-            got.append(owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-        return got
+        return [ps.phase(modname, path)[2] for modname, path in ps.PHASES]
 
     before = current()
     model = build_llama()
