@@ -101,6 +101,7 @@ LAYERS: list[set[str]] = [
     {"tfuture.steps.launch"},  # how the runtime stages and submits a step of any kind
     {"tfuture.steps.graphs"},  # a token step captured per bucket
     {"tfuture.steps.token_state"},  # a token step's records
+    {"tfuture.steps.token_sample"},  # a token step's sample, store and replay
     {"tfuture.steps.token"},
     {
         "tfuture.spec.staging",

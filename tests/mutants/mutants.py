@@ -774,7 +774,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "token-store-view-of-clamped",
-        "tfuture/steps/token.py",
+        "tfuture/steps/token_sample.py",
         "        if state.clean is state.sampled:\n            state.sampled_host = host",
         "        if True:\n            state.sampled_host = host",
         ("tests/sampling/test_non_finite_logits.py",),

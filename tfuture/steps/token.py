@@ -3,7 +3,9 @@
 Optionally padded: with :class:`Buckets`, every step's token rows and request count are padded
 up to the smallest bucket that holds them (zero rows, empty segments), into preallocated
 ``out=`` buffers of ``prepare_inputs``, so a model sees a few fixed shapes and can capture one
-CUDA graph per bucket. A step larger than every bucket runs unpadded.
+CUDA graph per bucket. A step larger than every bucket runs unpadded. The ops after the forward
+(sample, store, a graphed step's replay) are :class:`tfuture.steps.token_sample.TokenSampling`,
+the step's base.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from tfuture.kernels.resolve import PreparedInputs
 from tfuture.sampling import Sampler
 from tfuture.steps.base import InFlight, Op, StepKind, StepPlan
 from tfuture.steps.checks import check_placeholders, check_sampled
-from tfuture.steps.graphs import StepGraphs, capture, graph_run, plan_graphed
-from tfuture.steps.masks import check_logits, check_width, mask_on_stream, ready_mask
+from tfuture.steps.graphs import StepGraphs, plan_graphed
 from tfuture.steps.samplers import SamplePath, sample_path
+from tfuture.steps.token_sample import TokenSampling
 from tfuture.steps.token_state import _ARANGE, _NO_ROWS, Buckets, TokenInputs, TokenState, _arange
 
 __all__ = ["Buckets", "TokenInputs", "TokenState", "TokenStep"]
@@ -32,7 +34,7 @@ _BOOL = np.dtype(np.bool_)
 _ARANGE_N = _ARANGE.size  # a shorter arange is a view of the cached one (no call)
 
 
-class TokenStep(StepKind):
+class TokenStep(TokenSampling, StepKind):
     """The step of a :class:`tfuture.core.batch.Model`, padded to ``buckets`` if given.
 
     Sampling goes through one :class:`tfuture.steps.samplers.SamplePath`: ``sampler`` if given,
@@ -297,87 +299,6 @@ class TokenStep(StepKind):
             state.logits = logits
 
         return [("forward", forward)]
-
-    def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
-        if rec.state.graph is not None:
-            return []  # the replay sampled and stored
-        if mask is not None:
-            self.take_mask(rec, mask)
-        return [("sample", lambda: self.sample(rec)), ("store", lambda: self.store(rec))]
-
-    def store(self, rec: InFlight) -> None:
-        """FORWARD STREAM: the step's tokens into its fresh slots: the runtime's own handle,
-        tokens checked by the sample path, so the lean store. A CPU map's store hands back its
-        numpy view of the tokens: the result copy reads the sampled tokens through it."""
-        state, fmap = rec.state, self.fmap
-        assert fmap is not None
-        host = fmap.launch_store(rec.out, state.clean)
-        if state.clean is state.sampled:
-            state.sampled_host = host
-
-    def take_mask(self, rec: InFlight, mask: object) -> None:
-        """HOST: check a delayed step's mask (every row allows a token; the width, once the
-        vocab is known) and ready it for the stream (pinned, or an event after its producer)."""
-        if mask is None:
-            return
-        assert self.fmap is not None
-        vocab = self._vocab if self._vocab is not None else self.path.vocab
-        ready_mask(rec.state, mask, rec.step, vocab, self.samples and self.fmap.device.type == "cuda")
-
-    def sample(self, rec: InFlight) -> None:
-        """FORWARD STREAM: the step's (late) rows with the mask, then the sampler's record."""
-        state, path = rec.state, self.path
-        if state.mask is None and not state.split:
-            # The usual step: every row at once, no mask (_sample_rows(rec, None, None) inline).
-            logits, n = state.logits, state.sample_reqs.size
-            if type(logits) is not torch.Tensor or logits.dim() != 2 or logits.shape[0] != n:
-                logits = check_logits(logits, state.n_sample, rec.step)  # raises, or a Tensor subclass
-            self._vocab = logits.shape[1]
-            state.sampled = path.sample(state.sstate, state.fwd, logits, None, None)
-        else:
-            mask_dev = None
-            if state.mask is not None:
-                assert self.fmap is not None
-                mask_dev = mask_on_stream(state, rec.step, self.fmap.device)
-            self._sample_rows(rec, state.late_dev if state.split else None, mask_dev)
-        if path.records:
-            state.clean = state.sampled.clamp(min=0)
-            path.record(state.sstate, state.clean)
-        else:
-            state.clean = state.sampled  # a -1 is stored as 0 and flagged by the store itself
-
-    def _sample_rows(self, rec: InFlight, rows: torch.Tensor | None, mask: torch.Tensor | None) -> None:
-        """On the stream: sample ``rows`` (all when None) of the step into ``state.sampled``."""
-        state, n = rec.state, rec.state.n_sample
-        logits = check_logits(state.logits, n, rec.step)
-        self._vocab = int(logits.shape[1])
-        if mask is not None:
-            check_width(mask, self._vocab, rec.step)  # the host checks it once the vocab is known
-        if rows is not None:
-            logits = logits.index_select(0, rows)
-        tokens = self.path.sample(state.sstate, state.fwd, logits, rows, mask)
-        if rows is None:
-            state.sampled = tokens
-            return
-        if state.sampled is None:
-            state.sampled = torch.empty(n, dtype=torch.int64, device=logits.device)
-        state.sampled.index_copy_(0, rows, tokens)
-
-    def _replay(self, rec: InFlight) -> None:
-        """FORWARD STREAM: a graphed step. A bucket's first step runs eagerly on the static
-        buffers (its results are the step's), then is captured; later steps replay it."""
-        state, fmap, graphs = rec.state, self.fmap, self.graphs
-        assert fmap is not None and graphs is not None and state.graph is not None
-        bucket = state.graph
-        if bucket.replay is None:
-            run = graph_run(bucket, fmap, self.model, self.path, rec.step, state.host)
-            sampled = run()
-            capture(bucket, fmap.device, run)
-            graphs.captures += 1
-        else:
-            sampled = bucket.replay()
-            bucket.replays += 1
-        state.sampled = sampled[: state.sample_reqs.size]
 
     # -- host, after copy_done ---------------------------------------------------------------
 
