@@ -102,6 +102,40 @@ def test_future_fields_handles_roundtrip(device: str) -> None:
     fmap.check()
 
 
+def test_future_fields_launch_store_equals_store(device: str) -> None:
+    """The unchecked one-field store a step uses for its own slots writes what store writes:
+    a fresh run, a filtered handle (placeholders), an empty handle; other fields and slots
+    untouched."""
+    g = _gen(5)
+    pa, pb = None, None
+    got = []
+    for unchecked in (True, False):
+        ff = _fields(device)
+        a, b, empty = ff.fmap.alloc(6), ff.fmap.alloc(4), ff.fmap.alloc(0)
+        assert (a.slots.tolist(), b.slots.tolist()) == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10])
+        if pa is None:
+            pa, pb = _step_payload(ff, 6, g), _step_payload(ff, 2, g)
+        snap = _snapshot(ff)
+        sub = b.filter(np.array([3, 1]))
+        for name in ("tokens", "hidden"):
+            if unchecked:
+                ff.launch_store(a, name, pa[name])
+                ff.launch_store(sub, name, pb[name])
+                ff.launch_store(empty, name, pb[name][:0])
+            else:
+                ff.store(a, {name: pa[name]})
+                ff.store(sub, {name: pb[name]})
+        for name in ("accept_len", "probs"):
+            assert _same_bits(ff.buffer(name), snap[name]), name
+        untouched = torch.tensor([0, 7, 9, *range(11, 40)], device=device)
+        assert _same_bits(ff.buffer("tokens")[untouched], snap["tokens"][untouched])
+        got.append(ff)
+    for name in got[0].names:
+        assert _same_bits(got[0].buffer(name), got[1].buffer(name)), name
+    assert _same_bits(got[0].buffer("tokens")[1:7], pa["tokens"])
+    assert _same_bits(got[0].buffer("hidden")[[10, 8]], pb["hidden"])
+
+
 def test_future_fields_declared_from_first_payload(device: str) -> None:
     fmap = FutureMap(8, device=device)
     ff = FutureFields(fmap)

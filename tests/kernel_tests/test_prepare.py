@@ -227,3 +227,18 @@ BAD_CALLS = [
 def test_prepare_rejects_bad_arguments(call, exc, match, device):
     with pytest.raises(exc, match=match):
         call(device)
+
+
+def test_numpy_prepare_segments_seen_again_with_other_rows():
+    """The numpy path keeps the rows of segments it saw (a speculative step's recur every
+    step): the same segments again over fewer live tokens (``tokens`` shorter than
+    ``seg_starts[-1]``), and with other prefixes, give the reference's rows, never the kept ones."""
+    tokens, seg, prefix, token_map = make_batch([5, 5, 5], 0, torch.int64, "cpu", seed=4)
+    for n_tok, shift in ((15, 0), (11, 7), (15, 3), (4, 0)):
+        out, backings = poisoned_out(15, 3, torch.int64, "cpu")
+        cpu.prepare(tokens[:n_tok], seg, prefix + shift, token_map, out, None)
+        want = prepare_inputs_ref(tokens[:n_tok], seg, prefix + shift, token_map, n_rows=15)
+        for name, a, b in zip(PreparedInputs._fields, out, want, strict=True):
+            assert torch.equal(a, b), (n_tok, shift, name, a.tolist(), b.tolist())
+        for b, n in zip(backings, (15, 15, 3), strict=True):
+            assert_fence(b, n)

@@ -123,17 +123,21 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax() -> None:
     assert v.n_commit.tolist() == [2] and v.committed.tolist() == [[1, 0, -1, -1]] and v.last.tolist() == [0]
 
 
-def test_greedy_host_verification_equals_the_device_rule() -> None:
-    """verify_greedy_host (the CPU's loop) against verify_rows' greedy rule: random drafts that
-    often equal the argmax, requests of 0 to 4 drafts, rows with no real logit (-inf, NaN)."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_greedy_host_verification_equals_the_device_rule(dtype: torch.dtype) -> None:
+    """verify_greedy_host (the CPU's loop; numpy's argmax, torch's for bfloat16) against
+    verify_rows' greedy rule: random drafts that often equal the argmax, requests of 0 to 4
+    drafts, rows with no real logit (-inf, NaN), and rows with one NaN among real logits."""
     rng = np.random.default_rng(7)
     rp = row_params(pack_params([SamplingParams(temperature=0)]))
     for trial in range(40):
         nv = rng.integers(0, 5, size=int(rng.integers(1, 7)))
         n, width, rows = nv.size, int(nv.max()) + 1, int((nv + 1).sum())
-        logits = torch.from_numpy(rng.normal(size=(rows, 5)))
+        logits = torch.from_numpy(rng.normal(size=(rows, 5))).to(dtype)
         bad = rng.random(rows) < 0.1
         logits[torch.from_numpy(bad)] = float("nan") if trial % 2 else float("-inf")
+        one_nan = torch.from_numpy(rng.random(rows) < 0.1)
+        logits[one_nan, int(rng.integers(0, 5))] = float("nan")
         target = logits.argmax(dim=1).numpy()
         drafts = np.where(rng.random(rows) < 0.7, target, rng.integers(0, 5, rows))
         owner = np.repeat(np.arange(n), nv + 1)
@@ -194,13 +198,16 @@ def test_true_positions_numpy_equals_the_torch_path() -> None:
 
 def test_new_lengths_and_store_tokens_numpy_equal_the_torch_path() -> None:
     """Each sampling request's new length (its step's length less the drafts it verified, plus
-    what it committed) and the tokens its fresh slots take (its last committed token, 0 where
-    none, then its drafts clamped into the vocab), on the CPU (numpy) as on the device (torch)."""
+    what it committed), each fresh slot's copy of it, and the tokens its fresh slots take (its
+    last committed token, 0 where none, then its drafts clamped into the vocab), on the CPU
+    (numpy) as on the device (torch)."""
     from types import SimpleNamespace
 
     from tfuture.spec.step_rows import (
         new_lengths_numpy,
         new_lengths_torch,
+        out_lengths_numpy,
+        out_lengths_torch,
         store_tokens_numpy,
         store_tokens_torch,
     )
@@ -223,10 +230,14 @@ def test_new_lengths_and_store_tokens_numpy_equal_the_torch_path() -> None:
             out_first=torch.from_numpy(first),
             out_draft=torch.from_numpy(out_draft),
             draft_at=torch.from_numpy(draft_at),
+            out_req=torch.from_numpy(np.repeat(np.arange(n, dtype=np.int64), 1 + kd)),
         )
         want = new_lengths_torch(seq_lens, inputs, n_commit)
         assert torch.equal(new_lengths_numpy(seq_lens, inputs, n_commit), want), trial
         assert want.tolist() == (seq_lens.numpy()[sample_idx] - n_verify + n_commit.numpy()).tolist()
+        per_slot = out_lengths_torch(want, inputs)
+        assert torch.equal(out_lengths_numpy(want, inputs), per_slot), trial
+        assert per_slot.tolist() == np.repeat(want.numpy(), 1 + kd).tolist()
         last = torch.from_numpy(rng.integers(-1, 50, n))
         drafts = torch.from_numpy(rng.integers(-3, 60, (n, k)))  # some out of [0, 49]
         n_out = int((1 + kd).sum())

@@ -197,6 +197,17 @@ class FutureFields:
         # Every check above covers what store_fields would check again: skip them (host cost).
         launch_store_fields([self._buffers[k] for k in names], slots, values, negated, None)
 
+    def launch_store(self, fi: FutureIndices, name: str, values: torch.Tensor) -> None:
+        """:meth:`store` of one declared field without its argument checks, for a caller that
+        built ``values`` (``[len(fi), *shape]`` of the field's dtype, on the map's device) and
+        holds ``fi`` (a live handle of this map with distinct slots: a step's fresh slots)."""
+        if not len(fi):
+            return
+        if values.is_cuda:
+            values.record_stream(torch.cuda.current_stream(values.device))
+        slots, negated = self._slot_arg(fi)
+        launch_store_fields([self._buffers[name]], slots, [values], negated, None)
+
     def gather(
         self,
         src: FutureIndices | torch.Tensor,

@@ -135,7 +135,10 @@ class DraftResult(StepResult):
         c = int(counts[0])
         if c * counts.size == self.tokens.size and not np.any(counts != c):
             return list(self.tokens.reshape(counts.size, c))  # the same count each (a window)
-        return np.split(self.tokens, np.cumsum(counts)[:-1])
+        # Slices in a comprehension: np.split's own loop costs about three times as much.
+        ends = np.cumsum(counts).tolist()
+        tokens = self.tokens
+        return [tokens[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def check_committed(

@@ -108,46 +108,115 @@ def stage_drafts(
     if not n_verify.any() and not n_draft.any():
         return _stage_plain(batch, sreq, packed, hist_req, inputs, splan)
     v, kd = n_verify[sreq], n_draft[sreq]
-    ends = np.cumsum(batch.seg_lens)[sreq] if n else _NONE
-    width = int(v.max(initial=0)) + 1
-    vrows, owner = _ranges(ends - 1 - v, v + 1)
-    j = vrows - (ends - 1 - v)[owner]
-    is_draft = (j < v[owner]).astype(np.int64)
-    rp, pen = _row_plans(packed, owner, hist_req, (ends - 1 - v)[owner], j, splan) if n else (None, None)
-    spec = np.flatnonzero(n_verify)
-    starts = np.cumsum(batch.seg_lens) - batch.seg_lens
-    spec_tok, spec_of = _ranges(starts[spec], batch.seg_lens[spec])
+    rows = _draft_rows(batch.seg_lens, sreq, n_verify, v, kd, k)
+    rp, pen = _row_plans(packed, rows.owner, hist_req, rows.first_row, rows.j, splan) if n else (None, None)
+    spec, starts, spec_tok = rows.spec, rows.starts, rows.spec_tok
     if pen is not None:
         # Only committed tokens enter the history: the drafts a step verifies are not inputs.
-        splan = drop_observations(splan, spec_tok[spec_tok != starts[spec][spec_of]])
+        splan = drop_observations(splan, spec_tok[spec_tok != starts[spec][rows.spec_of]])
         inputs = inputs._replace(sampler_words=splan.words)
-    first = np.cumsum(1 + kd) - 1 - kd
-    draft_slot, draft_of = _ranges(first + 1, kd)
     params = _NONE
     if rp is not None and rp.sampled:
         params = np.concatenate([rp.floats.reshape(-1).view(np.int64), rp.top_k, rp.seeds])
     staged = DraftInputs(  # type: ignore[call-arg]
         *inputs,
-        vrows,
-        vrows + is_draft,
-        is_draft,
-        owner * width + j,
+        rows.vrows,
+        rows.draft_src,
+        rows.is_draft,
+        rows.pad_pos,
         spec,
         -batch.tokens[starts[spec]],
         batch.prefix_lens[spec],
         spec_tok,
-        spec_of,
+        rows.spec_of,
         v,
         sreq,
-        np.repeat(np.arange(n, dtype=np.int64), 1 + kd),
-        first,
-        draft_slot,
-        draft_of * k + (draft_slot - first[draft_of] - 1),
+        rows.out_req,
+        rows.first,
+        rows.draft_slot,
+        rows.draft_at,
         params,
         _NONE if pen is None else pen.words,
         _NONE if pen is None else hist_req,
     )
-    return DraftPlan(staged, int((1 + kd).sum()), rp, width, v, pen, splan)
+    return DraftPlan(staged, rows.n_out, rp, rows.width, v, pen, splan)
+
+
+class _Rows(NamedTuple):
+    """The index arrays of a speculative step's plan (:data:`DRAFT_FIELDS`), which depend only on
+    the batch's segments, its sampling requests and their drafts: read-only, kept by
+    :func:`_draft_rows` for the layouts that recur (every request verifying and making ``k``)."""
+
+    width: int
+    n_out: int
+    vrows: np.ndarray
+    owner: np.ndarray
+    j: np.ndarray
+    first_row: np.ndarray  # [R] the first verification row of each row's request
+    is_draft: np.ndarray
+    draft_src: np.ndarray
+    pad_pos: np.ndarray
+    spec: np.ndarray
+    starts: np.ndarray
+    spec_tok: np.ndarray
+    spec_of: np.ndarray
+    out_req: np.ndarray
+    first: np.ndarray
+    draft_slot: np.ndarray
+    draft_at: np.ndarray
+
+
+_ROWS: dict[tuple[bytes, bytes, bytes, bytes, int], _Rows] = {}
+_MAX_ROWS = 256
+
+
+def _draft_rows(
+    seg_lens: np.ndarray, sreq: np.ndarray, n_verify: np.ndarray, v: np.ndarray, kd: np.ndarray, k: int
+) -> _Rows:
+    """The step's :class:`_Rows` (``v``, ``kd``: ``n_verify`` and ``n_draft`` of ``sreq``), from
+    the cache when these arrays were seen before: a handful of byte strings to hash instead of
+    about twenty numpy calls a step."""
+    key = (seg_lens.tobytes(), sreq.tobytes(), n_verify.tobytes(), kd.tobytes(), k)
+    got = _ROWS.get(key)
+    if got is not None:
+        return got
+    n = sreq.size
+    ends = np.cumsum(seg_lens)[sreq] if n else _NONE
+    width = int(v.max(initial=0)) + 1
+    vrows, owner = _ranges(ends - 1 - v, v + 1)
+    first_row = (ends - 1 - v)[owner]
+    j = vrows - first_row
+    is_draft = (j < v[owner]).astype(np.int64)
+    spec = np.flatnonzero(n_verify)
+    starts = np.cumsum(seg_lens) - seg_lens
+    spec_tok, spec_of = _ranges(starts[spec], seg_lens[spec])
+    first = np.cumsum(1 + kd) - 1 - kd
+    draft_slot, draft_of = _ranges(first + 1, kd)
+    rows = _Rows(
+        width,
+        int((1 + kd).sum()),
+        vrows,
+        owner,
+        j,
+        first_row,
+        is_draft,
+        vrows + is_draft,
+        owner * width + j,
+        spec,
+        starts,
+        spec_tok,
+        spec_of,
+        np.repeat(np.arange(n, dtype=np.int64), 1 + kd),
+        first,
+        draft_slot,
+        draft_of * k + (draft_slot - first[draft_of] - 1),
+    )
+    for a in rows[2:]:
+        a.flags.writeable = False  # shared by every step of this layout
+    if len(_ROWS) >= _MAX_ROWS:
+        _ROWS.clear()
+    _ROWS[key] = rows
+    return rows
 
 
 def _stage_plain(

@@ -45,7 +45,7 @@ from tfuture.spec.penalties import (
     record_committed,
 )
 from tfuture.spec.staging import stage_drafts
-from tfuture.spec.step_rows import new_lengths, store_tokens, true_positions
+from tfuture.spec.step_rows import new_lengths, out_lengths, store_tokens, true_positions
 from tfuture.spec.verify import RowParams, Verified, verify_greedy_host, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import check_rows, check_width, mask_on_stream
@@ -338,7 +338,8 @@ class SpecTokenStep(TokenStep):
         assert state.store_tokens is not None
         self.fmap.launch_store(rec.out, state.store_tokens)
         if self.k:  # read by a next step that verifies drafts: none without a drafter
-            self.fields.store(rec.out, {"seq_len": state.new_len.index_select(0, inputs.out_req)})
+            # Our own slots and a payload built here (int64 on the map's device): no checks.
+            self.fields.launch_store(rec.out, "seq_len", out_lengths(state.new_len, inputs))
 
     # -- host, after copy_done ---------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """The speculative step's per-row arithmetic on the forward stream, each with its numpy twin.
 
-Three pieces of :class:`tfuture.spec.SpecTokenStep` between verification and the slots: the true
+Four pieces of :class:`tfuture.spec.SpecTokenStep` between verification and the slots: the true
 positions of the requests that verify (their host prefix is only a bound), each sampling request's
-new length, and the tokens stored into the step's fresh slots. Each is a ``*_torch`` function for a
-device and a ``*_numpy`` twin for the CPU, where a numpy op costs a few microseconds against
-several for a torch op on the CPU worker's critical path; the unsuffixed name picks by the tensors'
-device (tests compare each pair on the CPU). Inputs are the step's staged
-:data:`tfuture.spec.staging.DraftInputs` (``inputs``) as device views.
+new length, each fresh slot's copy of it (its ``seq_len`` field), and the tokens stored into the
+step's fresh slots. Each is a ``*_torch`` function for a device and a ``*_numpy`` twin for the
+CPU, where a numpy op costs a few microseconds against several for a torch op on the CPU worker's
+critical path; the unsuffixed name picks by the tensors' device (tests compare each pair on the
+CPU). Inputs are the step's staged :data:`tfuture.spec.staging.DraftInputs` (``inputs``) as
+device views.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ __all__ = [
     "new_lengths",
     "new_lengths_numpy",
     "new_lengths_torch",
+    "out_lengths",
+    "out_lengths_numpy",
+    "out_lengths_torch",
     "store_tokens",
     "store_tokens_numpy",
     "store_tokens_torch",
@@ -72,6 +76,23 @@ def new_lengths_numpy(seq_lens: torch.Tensor, inputs: Any, n_commit: torch.Tenso
     """:func:`new_lengths_torch` on the CPU, with numpy."""
     real = seq_lens.numpy()[inputs.sample_idx.numpy()]
     return torch.from_numpy(real - inputs.n_verify.numpy() + n_commit.numpy())
+
+
+def out_lengths(new_len: torch.Tensor, inputs: Any) -> torch.Tensor:
+    """:func:`out_lengths_torch`, or its numpy twin for CPU tensors."""
+    lengths = out_lengths_numpy if new_len.device.type == "cpu" else out_lengths_torch
+    return lengths(new_len, inputs)
+
+
+def out_lengths_torch(new_len: torch.Tensor, inputs: Any) -> torch.Tensor:
+    """ON THE STREAM: ``[n_out]`` int64, the ``seq_len`` field of each fresh slot: its sampling
+    request's new length (``new_len [n_sample]``)."""
+    return new_len.index_select(0, inputs.out_req)
+
+
+def out_lengths_numpy(new_len: torch.Tensor, inputs: Any) -> torch.Tensor:
+    """:func:`out_lengths_torch` on the CPU, with numpy."""
+    return torch.from_numpy(new_len.numpy()[inputs.out_req.numpy()])
 
 
 def store_tokens(last: torch.Tensor, drafts: torch.Tensor, inputs: Any, n_out: int, top: int) -> torch.Tensor:

@@ -169,29 +169,52 @@ def verify_rows(
     return Verified(committed, n_commit, last)
 
 
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+
+
+def _arange(n: int) -> np.ndarray:
+    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n)
+
+
+_ARANGE = np.arange(1024)
+
+
 def verify_greedy_host(
     logits: torch.Tensor, drafts: np.ndarray, n_verify: np.ndarray, n: int, width: int
 ) -> Verified:
-    """:func:`verify_rows` of greedy rows whose logits are on the CPU: the argmax in torch, the
-    acceptance in a loop over the requests (a handful of rows each: cheaper on the CPU than the
-    dozen small tensor ops of the vectorised rule). ``drafts [R]`` int64 and ``n_verify [n]`` are
-    host arrays (request ``i`` has ``n_verify[i] + 1`` rows, in order). The same :class:`Verified`,
-    as CPU tensors (a test compares the two)."""
-    best, tokens = logits.max(dim=1)
+    """:func:`verify_rows` of greedy rows whose logits are on the CPU: the argmax in numpy
+    (torch's for a dtype numpy lacks, bfloat16), the acceptance in a loop over the requests (a
+    handful of rows each: cheaper on the CPU than the dozen small tensor ops of the vectorised
+    rule). ``drafts [R]`` int64 and ``n_verify [n]`` are host arrays (request ``i`` has
+    ``n_verify[i] + 1`` rows, in order). The same :class:`Verified`, as CPU tensors (a test
+    compares the two)."""
+    if logits.dtype in _NUMPY_FLOATS:
+        # numpy's argmax: about 3 us for [40, 1024] float32, against 25-45 us for torch's max.
+        # Both take the first maximum, and the first NaN of a row that has one.
+        x = logits.detach().numpy()
+        idx = x.argmax(axis=1)
+        best = x[_arange(idx.size), idx]
+    else:
+        best_t, idx_t = logits.max(dim=1)
+        best, idx = best_t.float().numpy(), idx_t.numpy()  # float: NaN and -inf stay
     # A row with no real logit (NaN, or -inf everywhere) has no token: -1, as greedy_tokens.
-    target = [t if b > -math.inf else -1 for b, t in zip(best.tolist(), tokens.tolist(), strict=True)]
+    target = np.where(best > -math.inf, idx, -1).tolist()
     proposed = drafts.tolist()
-    rows: list[list[int]] = []
+    flat: list[int] = []
     counts: list[int] = []
+    lasts: list[int] = []
     row = 0
     for v in n_verify.tolist():
         j = 0
         while j < v and proposed[row + j] == target[row + j] >= 0:
             j += 1
-        rows.append(proposed[row : row + j] + [target[row + j]] + [-1] * (width - 1 - j))
+        t = target[row + j]
+        flat += proposed[row : row + j]
+        flat.append(t)
+        flat += [-1] * (width - 1 - j)
         counts.append(j + 1)
+        lasts.append(t)
         row += v + 1
-    committed = np.array(rows, dtype=np.int64).reshape(n, width)
-    n_commit = np.array(counts, dtype=np.int64)
-    last = committed[np.arange(n), n_commit - 1]
+    committed = np.array(flat, dtype=np.int64).reshape(n, width)
+    n_commit, last = np.array(counts, dtype=np.int64), np.array(lasts, dtype=np.int64)
     return Verified(torch.from_numpy(committed), torch.from_numpy(n_commit), torch.from_numpy(last))
