@@ -1044,6 +1044,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "the CPU's greedy verification commits the argmax of a row with no real logit (NaN, all -inf)",
     ),
     Mutant(
+        "draft-batch-all-verify-skips-concrete",
+        "tfuture/spec/batch.py",
+        "if count_nonzero(self.tokens[np.cumsum(seg_lens) - seg_lens] >= 0):",
+        "if False:",
+        ("tests/spec/test_draft_batch.py",),
+        "a batch where every request verifies takes a concrete first token (its position is then a guess)",
+    ),
+    Mutant(
         "spec-draft-rows-cache-ignores-drafts",
         "tfuture/spec/staging.py",
         "key = (seg_lens.tobytes(), sreq.tobytes(), n_verify.tobytes(), kd.tobytes(), k)",

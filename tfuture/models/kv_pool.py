@@ -205,7 +205,12 @@ class StepLayout:
         tok_pos = batch.positions[:n_tok]
         if dense:
             # Token q * width + i stands at position prefix[q] + i: its last visible key.
-            tok_rows = req_rows if width == 1 else req_rows.repeat_interleave(width, output_size=n_tok)
+            if width == 1:
+                tok_rows = req_rows
+            elif dev.type == "cpu":  # numpy: a fraction of repeat_interleave's dispatch
+                tok_rows = torch.from_numpy(np.repeat(row_ids, width))
+            else:
+                tok_rows = req_rows.repeat_interleave(width, output_size=n_tok)
             pad_idx = torch.arange(n_tok, device=dev)  # read only by a ragged step's attend
             last_key = tok_pos.view(n_reqs, 1, width, 1)
         else:

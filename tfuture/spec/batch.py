@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tfuture.core.batch import Batch, StepResult
+from tfuture.core.checks import count_nonzero
 
 __all__ = ["DraftBatch", "DraftResult", "check_committed"]
 
@@ -40,7 +41,7 @@ def _counts(name: str, a: object, n: int) -> np.ndarray:
     if a.size != n:
         raise ValueError(f"DraftBatch.{name} must have {n} entries (one per request), got {a.size}")
     a = a.astype(np.int64, copy=False)
-    if a.size and int(a.min()) < 0:
+    if a.size and a[a.argmin()] < 0:  # an extreme by its index: cheaper than a reduction
         raise ValueError(f"DraftBatch.{name} must be >= 0, got {int(a.min())}")
     return a
 
@@ -87,31 +88,54 @@ class DraftBatch(Batch):
         d = self.n_draft = _counts("n_draft", self.n_draft, n)
         if k > 1 and (v.any() or d.any() or np.any(self.delayed & self.sample)):
             raise ValueError(_WINDOW_WAITS.format(k=k))
-        bad = np.flatnonzero(((v > 0) | (d > 0)) & ~self.sample)
-        if bad.size:
-            q = int(bad[0])
+        sample = self.sample
+        if count_nonzero(sample) != n:  # every request samples (the usual step): nothing to check
+            bad = np.flatnonzero(((v > 0) | (d > 0)) & ~sample)
+            if bad.size:
+                q = int(bad[0])
+                raise ValueError(
+                    f"DraftBatch: request {int(self.req_ids[q])} verifies or makes drafts (n_verify="
+                    f"{int(v[q])}, n_draft={int(d[q])}) but does not sample this step"
+                )
+        verifies = v > 0
+        n_spec = count_nonzero(verifies)
+        if not n_spec:
+            return
+        seg_lens = self.seg_lens
+        if n_spec == n:  # every request verifies: whole-array checks, no index arrays
+            if count_nonzero(seg_lens - v != 1):
+                self._wrong_segment(np.flatnonzero(seg_lens - v != 1))
+            if count_nonzero(self.tokens[np.cumsum(seg_lens) - seg_lens] >= 0):
+                self._concrete_first(np.arange(n))
+            return
+        spec = np.flatnonzero(verifies)
+        wrong = spec[seg_lens[spec] != v[spec] + 1]
+        if wrong.size:
+            self._wrong_segment(wrong)
+        self._concrete_first(spec)
+
+    def _wrong_segment(self, wrong: np.ndarray) -> None:
+        """Raise for the first request of ``wrong`` (a verifying request whose segment is not
+        ``1 + n_verify`` tokens)."""
+        q = int(wrong[0])
+        v = int(self.n_verify[q])
+        raise ValueError(
+            f"DraftBatch: request {int(self.req_ids[q])} verifies {v} drafts, so its "
+            f"segment must be 1 + {v} tokens, got seg_lens={int(self.seg_lens[q])}"
+        )
+
+    def _concrete_first(self, spec: np.ndarray) -> None:
+        """Raise for the first request of ``spec`` (verifying requests) whose segment starts with
+        a concrete id instead of a placeholder."""
+        starts = np.cumsum(self.seg_lens) - self.seg_lens
+        concrete = spec[self.tokens[starts[spec]] >= 0]
+        if concrete.size:
+            q = int(concrete[0])
             raise ValueError(
-                f"DraftBatch: request {int(self.req_ids[q])} verifies or makes drafts (n_verify="
-                f"{int(v[q])}, n_draft={int(d[q])}) but does not sample this step"
+                f"DraftBatch: request {int(self.req_ids[q])} verifies drafts, so its first token "
+                "must be a placeholder of its previous speculative step (its position lives "
+                f"there), got the concrete id {int(self.tokens[starts[q]])}"
             )
-        spec = np.flatnonzero(v)
-        if spec.size:
-            wrong = spec[self.seg_lens[spec] != v[spec] + 1]
-            if wrong.size:
-                q = int(wrong[0])
-                raise ValueError(
-                    f"DraftBatch: request {int(self.req_ids[q])} verifies {int(v[q])} drafts, so its "
-                    f"segment must be 1 + {int(v[q])} tokens, got seg_lens={int(self.seg_lens[q])}"
-                )
-            starts = np.cumsum(self.seg_lens) - self.seg_lens
-            concrete = spec[self.tokens[starts[spec]] >= 0]
-            if concrete.size:
-                q = int(concrete[0])
-                raise ValueError(
-                    f"DraftBatch: request {int(self.req_ids[q])} verifies drafts, so its first token "
-                    "must be a placeholder of its previous speculative step (its position lives "
-                    f"there), got the concrete id {int(self.tokens[starts[q]])}"
-                )
 
 
 @dataclass(slots=True, eq=False)
