@@ -1052,6 +1052,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "a batch where every request verifies takes a concrete first token (its position is then a guess)",
     ),
     Mutant(
+        "spec-skips-penalty-history-prepare",
+        "tfuture/spec/step.py",
+        "if isinstance(splan, SamplerPlan) and not (splan.sizes[3] or splan.sizes[5]):",
+        "if isinstance(splan, SamplerPlan):",
+        ("tests/spec/test_spec_engine.py", "tests/spec/test_spec_hf.py"),
+        "a speculative step skips the sampler's prepare with penalties too: a new request's history "
+        "row keeps a finished one's counts and its prompt is never marked seen",
+    ),
+    Mutant(
         "spec-draft-rows-cache-ignores-drafts",
         "tfuture/spec/staging.py",
         "key = (seg_lens.tobytes(), sreq.tobytes(), n_verify.tobytes(), kd.tobytes(), k)",

@@ -40,6 +40,8 @@ from tfuture.spec.batch import DraftBatch
 
 __all__ = ["DELAYS", "FINISH_REASONS", "ContinuousBatcher", "RequestSpec", "spin"]
 
+_NO_TOKENS = np.empty(0, dtype=np.int64)  # a row's tokens until its slots' placeholders are read
+
 DELAYS = ("rows", "batch")
 # Why a request finished: a stop token, its length limit, an abort, its grammar terminated (on a
 # token that is not one of its stop tokens), the run failed (ServingScheduler), or its grammar
@@ -291,7 +293,7 @@ class ContinuousBatcher(DraftScheduling, TokenResults):
                     entry[1].extend(range(row, row + n))
                     entry[2].append((i, n))
                     decodes.add(i)
-                    tokens.append(np.zeros(n, dtype=np.int64))
+                    tokens.append(_NO_TOKENS)  # its placeholders, below
                 else:
                     tokens.append(np.array(r.out[-1:], dtype=np.int64))
             seg.append(n)
@@ -304,7 +306,7 @@ class ContinuousBatcher(DraftScheduling, TokenResults):
                 consumes.append(h)
                 phs, at = h.host_placeholders(), 0
                 for i, n in req_idx:
-                    tokens[i] = phs[at : at + n].astype(np.int64)
+                    tokens[i] = phs[at : at + n]  # int64 views: concatenated into the batch's own
                     at += n
             batch, verify, sample_mask = self._batch(
                 rows, tokens, seg, prefix, rids, sample, consumes, decodes

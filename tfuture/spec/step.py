@@ -37,6 +37,7 @@ from tfuture.core.future_map import FutureMap
 from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import Sampler
 from tfuture.sampling.filters import greedy_tokens
+from tfuture.sampling.plan import SamplerPlan
 from tfuture.spec.batch import DraftBatch, DraftResult, check_committed
 from tfuture.spec.drafter import DraftContext, Drafter
 from tfuture.spec.penalties import (
@@ -211,6 +212,14 @@ class SpecTokenStep(TokenStep):
             # Before observe: a request admitted in this step may take an ended request's row.
             self.drafter.release(state.ended)
         self.drafter.observe(state.fwd)
+
+    def sampler_state(self, splan: Any, words: torch.Tensor, ids: torch.Tensor) -> Any:
+        # Verification reads its rows' own parameters, never the path's state: of the path's
+        # prepare only the history's work counts (new rows zeroed, inputs marked seen), which
+        # only requests with penalties have.
+        if isinstance(splan, SamplerPlan) and not (splan.sizes[3] or splan.sizes[5]):
+            return None
+        return super().sampler_state(splan, words, ids)
 
     def sample_ops(self, rec: InFlight, mask: object) -> list[Op]:
         if mask is not None:

@@ -249,7 +249,12 @@ class TokenStep(TokenSampling, StepKind):
         )
         if self.samples:
             state.late_dev, state.now_dev = inputs.late, inputs.now
-            state.sstate = self.path.prepare(state.splan, inputs.sampler_words, ids)
+            state.sstate = self.sampler_state(state.splan, inputs.sampler_words, ids)
+
+    def sampler_state(self, splan: Any, words: torch.Tensor, ids: torch.Tensor) -> Any:
+        """FORWARD STREAM: the step's sampling state, its path's ``prepare`` (``words``: the
+        device copy of ``splan.words``; ``ids``: the step's resolved input ids)."""
+        return self.path.prepare(splan, words, ids)
 
     def _prepare_rows(self, state: TokenState, inputs: TokenInputs) -> PreparedInputs:
         """The fused prepare of a step with prefill chunks or padding (into a bucket's buffers)."""
