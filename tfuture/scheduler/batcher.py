@@ -315,15 +315,17 @@ class ContinuousBatcher(DraftScheduling, TokenResults):
             self.fmap.release_live(consumes)  # the handles made or taken here: nothing leaks
             raise
         self._ended = []
-        extra = None if verify is None else verify[sample_mask]
+        extra = None if verify is None else verify[sample_mask].tolist()
+        # A sampling request's slots: its last token, then the drafts it makes (the batch's own).
+        drafts = batch.n_draft[sample_mask].tolist() if isinstance(batch, DraftBatch) else None
         first = 0
         for row, r in enumerate(batch.tag):
-            need = 1 + self._drafts(r)
+            need = 1 + (self._drafts(r) if drafts is None else drafts[row])
             r.pending = (batch, first, need)
             first += need
             r.n_pending += 1
             if extra is not None:
-                r.pending_extra += int(extra[row])
+                r.pending_extra += extra[row]
         if isinstance(batch, DraftBatch) and batch.n_steps > 1:
             for r in batch.tag:  # a window: every sampling request gets n_steps tokens
                 r.pending_extra += batch.n_steps - 1

@@ -129,9 +129,12 @@ class DraftScheduling:
         """The step's :class:`DraftBatch` (``arrays``: tokens, seg_lens, prefix_lens, req_ids)
         and its ``n_verify``."""
         # A decode verifies the drafts of its last step: every token of its segment but the first.
-        decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
         tokens, seg_lens, prefix, rids = arrays
-        verify = np.where(decode, seg_lens - 1, 0)
+        if len(decodes) == len(rows):  # every request decodes (the usual step)
+            verify = seg_lens - 1
+        else:
+            decode = np.fromiter((i in decodes for i in range(len(rows))), dtype=bool, count=len(rows))
+            verify = np.where(decode, seg_lens - 1, 0)
         drafts = np.fromiter((self._drafts(r) for r, _, _ in rows), dtype=np.int64, count=len(rows))
         n_draft = np.where(sample_mask, drafts, 0)
         batch = DraftBatch(

@@ -56,6 +56,7 @@ from tfuture.steps.token_state import Buckets, TokenInputs, TokenState
 __all__ = ["SpecTokenStep"]
 
 _NONE = np.empty(0, dtype=np.int64)
+_ARANGE = np.arange(64)  # a committed row's columns (width k + 1)
 
 
 class SpecState(TokenState):
@@ -377,17 +378,17 @@ class SpecTokenStep(TokenStep):
     def draft_result(self, step: int, batch: Batch, state: SpecState, words: np.ndarray) -> DraftResult:
         """HOST: step ``step``'s committed tokens and counts (``words``), checked."""
         n, w = state.n_sample, state.width
-        committed, counts = words[: n * w].reshape(n, w), words[n * w : n * (w + 1)].astype(np.int64)
-        keep = np.arange(w)[None, :] < counts[:, None]
-        tokens = committed[keep]
-        ends = np.cumsum(counts)
+        committed = words[: n * w].reshape(n, w)
+        counts = words[n * w : n * (w + 1)].astype(np.int64, copy=False)
+        cols = _ARANGE[:w] if w <= _ARANGE.size else np.arange(w)
+        tokens = committed[cols < counts[:, None]]
         check_committed(
             step,
             batch,
             state.sample_reqs,
             tokens,
             self._vocab,
-            lambda t: int(np.searchsorted(ends, t, "right")),
+            lambda t: int(np.searchsorted(np.cumsum(counts), t, "right")),
         )
         stored = words[n * (w + 1) :].astype(np.int64) if state.n_stored else _NONE
         return DraftResult(step, batch, tokens, counts, state.n_verify, stored)
