@@ -1028,6 +1028,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "the CPU's prompt lookup keeps the earliest match of an n-gram instead of the latest",
     ),
     Mutant(
+        "ngram-index-replay-from-history",
+        "tfuture/spec/ngram_cpu.py",
+        "kept = look.tokens[: length - nc]",
+        "kept = []",
+        SPEC_VERIFY,
+        "a replayed draft rebuilds a request's tokens from the CPU history, which holds only its prompt",
+    ),
+    Mutant(
         "ngram-index-bulk-earliest-match",
         "tfuture/spec/ngram_cpu.py",
         "ends.update(zip(zip(*columns, strict=True), range(first, hi), strict=True))",

@@ -377,6 +377,56 @@ def test_ngram_observe_numpy_equals_the_torch_path() -> None:
     assert histories[0][3, 31] == ids[-1]
 
 
+def test_ngram_cpu_history_holds_only_what_the_index_reads() -> None:
+    """On the CPU, observe skips a step whose requests have all drafted before (the index keeps
+    their committed tokens): the history keeps the prompts only. The drafts, a replayed draft's
+    too (the same positions again), equal the torch path's over a full history."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 4, 9), rng.integers(0, 4, 6)]
+    k, width = 3, 48
+    cpu, dev = NGramDrafter(k=k), NGramDrafter(k=k)
+    for d in (cpu, dev):
+        d.bind(2, width, torch.device("cpu"))
+    req_ids = np.array([3, 8])
+
+    def fwd_of(segments: list[np.ndarray], starts: list[int]) -> ForwardBatch:
+        seg = np.array([len(t) for t in segments])
+        pos = torch.from_numpy(np.concatenate([p + np.arange(n) for p, n in zip(starts, seg, strict=True)]))
+        ids = torch.from_numpy(np.concatenate(segments))
+        host = HostMeta(seg, np.array(starts), req_ids, np.arange(2), int(seg.sum()), int(seg.max()))
+        return ForwardBatch(0, ids, pos, pos, pos, pos, pos, pos, None, host)
+
+    def both(
+        fwd: ForwardBatch, committed: np.ndarray, n_commit: np.ndarray, lens: np.ndarray
+    ) -> torch.Tensor:
+        cpu.observe(fwd)
+        dev._observe_torch(fwd, fwd.host.n_tokens)
+        ctx = DraftContext(
+            req_ids, torch.from_numpy(committed), torch.from_numpy(n_commit), torch.from_numpy(lens), width
+        )
+        got, want = cpu.draft(ctx), dev._draft_torch(ctx, width)
+        assert torch.equal(got, want)
+        assert torch.equal(cpu.draft(ctx), want)  # replayed
+        return got
+
+    lens = np.array([len(p) for p in prompts]) + 1
+    last = rng.integers(0, 4, 2)
+    drafts = both(fwd_of(prompts, [0, 0]), last[:, None].copy(), np.ones(2, dtype=np.int64), lens)
+    assert cpu.history is not None
+    prompt_rows = cpu.history.clone()
+    for _ in range(6):  # decode steps: the last token, then the k drafts
+        segs = [np.concatenate([[last[i]], drafts[i].numpy()]) for i in range(2)]
+        n_commit = rng.integers(1, k + 2, 2)
+        committed = np.full((2, k + 1), -1)
+        for i in range(2):
+            committed[i, : n_commit[i]] = np.concatenate([segs[i][1 : n_commit[i]], rng.integers(0, 4, 1)])
+        starts = [int(x) - 1 for x in lens]
+        lens = lens + n_commit
+        drafts = both(fwd_of(segs, starts), committed, n_commit, lens)
+        last = committed[np.arange(2), n_commit - 1]
+        assert torch.equal(cpu.history, prompt_rows)  # nothing written past the first step
+
+
 def test_ngram_cpu_index_follows_growing_requests_step_after_step() -> None:
     """The incremental index against the torch path's full scan at every step of a run: prompts
     and each step's inputs written as observe writes them (the verified drafts past each

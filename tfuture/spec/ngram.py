@@ -13,9 +13,11 @@ stale under overlap). A request with no match proposes its last token ``k`` time
 verify, and any proposal is exact under verification.
 
 On the CPU the match is not a scan: :class:`tfuture.spec.ngram_cpu.NGramIndex` keeps each request's
-committed tokens and an index of its n-grams, updated by the tokens each step commits (the
-history then holds what ``observe`` wrote: the prompts, read once). Same drafts (tested against
-the torch path step after step).
+committed tokens and an index of its n-grams, updated by the tokens each step commits. The history
+then holds only what the index reads: each request's prompt, at its first draft; ``observe`` writes
+a step's inputs while some request of the step has not drafted yet, and skips the steps where every
+one has (their tokens come with their drafts). Same drafts (tested against the torch path step
+after step).
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ class NGramDrafter:
         if not n_tok:
             return
         if hist.device.type == "cpu":  # numpy: a few microseconds an op instead of several
+            if self._index.indexed(host.req_ids):
+                return  # the index reads no position of this step from the history (see draft)
             # Not np.clip: its Python wrapper costs more than the two ufuncs.
             pos = np.minimum(np.maximum(fwd.positions[:n_tok].numpy(), 0), hist.shape[1] - 1)
             rows = np.repeat(self._host_rows(host.req_ids), host.seg_lens)

@@ -50,8 +50,9 @@ class NGramIndex:
     ) -> np.ndarray:
         """``[n, k]`` int64 drafts: request ``i`` committed the first ``n_commit[i]`` of
         ``committed [n, W]``, ending at ``seq_lens[i] - 1``. ``hist`` (``[rows, max_len]`` int64)
-        holds each request's earlier positions that its index has not read yet (its prompt,
-        from the drafter's ``observe``); committed tokens are kept here, not written there."""
+        holds each new request's earlier positions (its prompt, from the drafter's ``observe``),
+        read at its first draft; committed tokens are kept here, not written there. A replayed
+        draft (positions seen before) keeps the request's tokens before them."""
         width = hist.shape[1]
         out: list[list[int]] = []
         for rid, row, got, nc, length in zip(
@@ -65,10 +66,13 @@ class NGramIndex:
             length = min(max(length, 1), width)
             nc = min(max(nc, 1), length)
             look = self._by_req.get(rid)
-            if look is None or len(look.tokens) > length - nc:
-                # New, or these positions again (a replayed op): from the history, where observe
-                # wrote every earlier position (an accepted draft is the input that verified it).
+            if look is None:
                 look = self._by_req[rid] = _Lookup(self.max_ngram)
+            elif len(look.tokens) > length - nc:
+                # These positions again (a replayed op): its tokens before them, indexed anew.
+                kept = look.tokens[: length - nc]
+                look = self._by_req[rid] = _Lookup(self.max_ngram)
+                look.tokens = kept
             tokens = look.tokens
             if len(tokens) < length - nc:  # the prompt (the first draft), as observe wrote it
                 tokens.extend(hist[row, len(tokens) : length - nc].tolist())
@@ -101,6 +105,13 @@ class NGramIndex:
                 period = length - 1 - end
                 return [tokens[end + 1 + j % period] for j in range(self.k)]
         return [tokens[length - 1]] * self.k
+
+    def indexed(self, req_ids: np.ndarray) -> bool:
+        """Whether every request of ``req_ids`` has drafted here before: then a step of theirs
+        brings no position the index reads from the history (its committed tokens come with
+        its draft)."""
+        by_req = self._by_req
+        return all(rid in by_req for rid in req_ids.tolist())
 
     def release(self, req_ids: np.ndarray) -> None:
         for rid in req_ids.tolist():
