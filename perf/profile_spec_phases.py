@@ -45,7 +45,7 @@ PHASES = [
     ("tfuture.spec.ngram", "NGramDrafter.draft"),
     ("tfuture.spec.step", "SpecTokenStep._store"),
     ("tfuture.runtime", "OverlapRuntime._finish"),
-    ("tfuture.spec.step", "SpecTokenStep.draft_result"),
+    ("tfuture.spec.step_result", "SpecResults.draft_result"),
     ("tfuture.scheduler.serving", "ServingScheduler.process"),
 ]
 

@@ -106,6 +106,7 @@ LAYERS: list[set[str]] = [
     {
         "tfuture.spec.staging",
         "tfuture.spec.step_rows",
+        "tfuture.spec.step_result",
         "tfuture.spec.step",
     },  # the token step with drafts: its plan, its ops
     {"tfuture.spec.multistep"},  # several decode steps per launch: the token step, chained

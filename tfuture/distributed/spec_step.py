@@ -35,7 +35,8 @@ from tfuture.distributed.stage import MicroState, StageModel
 from tfuture.distributed.step import ParallelStep
 from tfuture.sampling import Sampler
 from tfuture.spec.drafter import Drafter
-from tfuture.spec.step import SpecState, SpecTokenStep
+from tfuture.spec.step import SpecTokenStep
+from tfuture.spec.step_result import SpecState
 from tfuture.steps.base import InFlight, Op
 from tfuture.steps.token import Buckets
 

@@ -9,8 +9,9 @@ visits the host) and shows the drafter the step's inputs; the sample becomes ``v
 drafter's next drafts) and ``store`` (each request's last committed token and its drafts into
 its slots, and the ``seq_len`` field); their per-row arithmetic, on a device and in numpy on the
 CPU, is :mod:`tfuture.spec.step_rows`. The host reads back each request's committed tokens and
-their count. Prefill chunks, plain decodes (``k = 0``), ended requests, the KV cache and the
-runtime's staging, tracing, faults and error path are the token step's own.
+their count (:mod:`tfuture.spec.step_result`, with the step's record). Prefill chunks, plain
+decodes (``k = 0``), ended requests, the KV cache and the runtime's staging, tracing, faults and
+error path are the token step's own.
 
 A request whose sample waits for a grammar mask (a delayed step) gets a mask row per
 verification row (see :class:`tfuture.spec.DraftBatch`), applied to those rows before
@@ -31,52 +32,34 @@ from typing import Any
 import numpy as np
 import torch
 
-from tfuture.core.batch import Batch, Model, StepResult
+from tfuture.core.batch import Batch, Model
 from tfuture.core.future_fields import FutureFields
 from tfuture.core.future_map import FutureMap
 from tfuture.kernels.bitmask import unpack_bitmask
 from tfuture.sampling import Sampler
 from tfuture.sampling.filters import greedy_tokens
 from tfuture.sampling.plan import SamplerPlan
-from tfuture.spec.batch import DraftBatch, DraftResult, check_committed
+from tfuture.spec.batch import DraftBatch
 from tfuture.spec.drafter import DraftContext, Drafter
 from tfuture.spec.penalties import (
-    PenaltyPlan,
     penalise_rows,
     record_committed,
 )
 from tfuture.spec.staging import stage_drafts
+from tfuture.spec.step_result import SpecResults, SpecState
 from tfuture.spec.step_rows import new_lengths, out_lengths, store_tokens, true_positions
-from tfuture.spec.verify import RowParams, Verified, verify_greedy_host, verify_rows
+from tfuture.spec.verify import Verified, verify_greedy_host, verify_rows
 from tfuture.steps.base import InFlight, Op, StepPlan
 from tfuture.steps.masks import check_rows, check_width, mask_on_stream
 from tfuture.steps.token import TokenStep
-from tfuture.steps.token_state import Buckets, TokenInputs, TokenState
+from tfuture.steps.token_state import Buckets, TokenInputs
 
 __all__ = ["SpecTokenStep"]
 
 _NONE = np.empty(0, dtype=np.int64)
-_ARANGE = np.arange(64)  # a committed row's columns (width k + 1)
 
 
-class SpecState(TokenState):
-    """A speculative step's record: the token step's, plus the verification's host plan."""
-
-    inputs: Any = None  # the step's DraftInputs (device views), set by prepare
-    rp: RowParams | None = None
-    width: int = 1
-    n_verify: np.ndarray = _NONE  # [n_sample] drafts each sampling request verifies
-    pen: PenaltyPlan | None = None
-    max_len: int = 0
-    n_out: int = 0  # the step's fresh slots: a last committed token and k drafts a request
-    n_stored: int = 0  # of those, read back to the host (a waiting request drafted): 0 or n_out
-    mask_vrows: np.ndarray = _NONE  # the verification row of each mask row
-    verified: Any = None
-    new_len: torch.Tensor | None = None
-    store_tokens: torch.Tensor | None = None
-
-
-class SpecTokenStep(TokenStep):
+class SpecTokenStep(SpecResults, TokenStep):
     """The token step of ``model`` with speculative requests (see the module docstring).
 
     Args:
@@ -350,51 +333,6 @@ class SpecTokenStep(TokenStep):
         if self.k:  # read by a next step that verifies drafts: none without a drafter
             # Our own slots and a payload built here (int64 on the map's device): no checks.
             self.fields.launch_store(rec.out, "seq_len", out_lengths(state.new_len, inputs))
-
-    # -- host, after copy_done ---------------------------------------------------------------
-
-    def n_result(self, rec: InFlight) -> int:
-        state: SpecState = rec.state
-        return state.n_sample * (state.width + 1) + state.n_stored
-
-    def copy_result(self, rec: InFlight, dst: torch.Tensor) -> None:
-        state: SpecState = rec.state
-        v = state.verified
-        if v is None:
-            return
-        n, w = state.n_sample, state.width
-        dst[: n * w].view(n, w).copy_(v.committed, non_blocking=True)
-        dst[n * w : n * (w + 1)].copy_(v.n_commit, non_blocking=True)
-        if state.n_stored:
-            assert state.store_tokens is not None
-            dst[n * (w + 1) :].copy_(state.store_tokens, non_blocking=True)
-
-    def result_array(self, rec: InFlight) -> np.ndarray | None:
-        return None
-
-    def result(self, rec: InFlight, words: np.ndarray) -> DraftResult:
-        return self.draft_result(rec.step, rec.batch, rec.state, words)
-
-    def draft_result(self, step: int, batch: Batch, state: SpecState, words: np.ndarray) -> DraftResult:
-        """HOST: step ``step``'s committed tokens and counts (``words``), checked."""
-        n, w = state.n_sample, state.width
-        committed = words[: n * w].reshape(n, w)
-        counts = words[n * w : n * (w + 1)].astype(np.int64, copy=False)
-        cols = _ARANGE[:w] if w <= _ARANGE.size else np.arange(w)
-        tokens = committed[cols < counts[:, None]]
-        check_committed(
-            step,
-            batch,
-            state.sample_reqs,
-            tokens,
-            self._vocab,
-            lambda t: int(np.searchsorted(np.cumsum(counts), t, "right")),
-        )
-        stored = words[n * (w + 1) :].astype(np.int64) if state.n_stored else _NONE
-        return DraftResult(step, batch, tokens, counts, state.n_verify, stored)
-
-    def n_tokens(self, result: StepResult) -> int:
-        return int(result.tokens.size)
 
     def close(self) -> None:
         super().close()
