@@ -96,15 +96,19 @@ def _resolve_np(ids: np.ndarray, token_map: np.ndarray, err: Err, fit32: bool = 
         ids[bad] = 0
 
 
+def _map_views(token_map: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``(view, reversed view without row 0)`` of a token map: the pinned ones when it has them."""
+    entry = _VIEWS.get(id(token_map))
+    if entry is not None and entry[0]() is token_map:
+        return entry[1], entry[2]
+    m = token_map.numpy()
+    return m, m[:0:-1]
+
+
 def resolve_(ids: Tensor, token_map: Tensor, err: Err) -> Tensor:
     """In place: every placeholder ``-s`` in ``ids`` with ``1 <= s < n_slots`` -> ``token_map[s]``."""
     a = ids.numpy()
-    entry = _VIEWS.get(id(token_map))
-    if entry is not None and entry[0]() is token_map:
-        m, back = entry[1], entry[2]
-    else:
-        m = token_map.numpy()
-        back = m[:0:-1]
+    m, back = _map_views(token_map)
     if not resolve_in_range_(a, back):
         _resolve_np(a, m, err, narrows(ids.dtype, token_map.dtype))
     return ids
@@ -197,9 +201,9 @@ def prepare(
     # Resolved in int64, as the kernel does: an int32 stream over an int64 map must not wrap.
     live = tokens.numpy()[:total].astype(np.int64)
     fit32 = narrows(out[0].dtype, tokens.dtype, token_map.dtype)
-    entry = _VIEWS.get(id(token_map))
-    if fit32 or entry is None or entry[0]() is not token_map or not resolve_in_range_(live, entry[2]):
-        _resolve_np(live, token_map.numpy(), err, fit32)
+    m, back = _map_views(token_map)
+    if fit32 or not resolve_in_range_(live, back):
+        _resolve_np(live, m, err, fit32)
     ids[:total] = live
     ids[total:] = 0
     pos[total:] = 0

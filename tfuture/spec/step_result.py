@@ -19,12 +19,11 @@ from tfuture.spec.batch import DraftResult, check_committed
 from tfuture.spec.penalties import PenaltyPlan
 from tfuture.spec.verify import RowParams
 from tfuture.steps.base import InFlight
-from tfuture.steps.token_state import TokenState
+from tfuture.steps.token_state import TokenState, _arange
 
 __all__ = ["SpecResults", "SpecState"]
 
 _NONE = np.empty(0, dtype=np.int64)
-_ARANGE = np.arange(64)  # a committed row's columns (width k + 1)
 
 
 class SpecState(TokenState):
@@ -77,8 +76,7 @@ class SpecResults:
         n, w = state.n_sample, state.width
         committed = words[: n * w].reshape(n, w)
         counts = words[n * w : n * (w + 1)].astype(np.int64, copy=False)
-        cols = _ARANGE[:w] if w <= _ARANGE.size else np.arange(w)
-        tokens = committed[cols < counts[:, None]]
+        tokens = committed[_arange(w) < counts[:, None]]
         check_committed(
             step,
             batch,

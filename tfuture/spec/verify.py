@@ -172,13 +172,6 @@ def verify_rows(
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
-def _arange(n: int) -> np.ndarray:
-    return _ARANGE[:n] if n <= _ARANGE.size else np.arange(n)
-
-
-_ARANGE = np.arange(1024)
-
-
 def verify_greedy_host(
     logits: torch.Tensor, drafts: np.ndarray, n_verify: np.ndarray, n: int, width: int
 ) -> Verified:
@@ -189,11 +182,11 @@ def verify_greedy_host(
     ``n_verify[i] + 1`` rows, in order). The same :class:`Verified`, as CPU tensors (a test
     compares the two)."""
     if logits.dtype in _NUMPY_FLOATS:
-        # numpy's argmax: about 3 us for [40, 1024] float32, against 25-45 us for torch's max.
+        # numpy's argmax: several times cheaper than torch's max for a few rows on the CPU.
         # Both take the first maximum, and the first NaN of a row that has one.
         x = logits.detach().numpy()
         idx = x.argmax(axis=1)
-        best = x[_arange(idx.size), idx]
+        best = x[np.arange(idx.size), idx]
     else:
         best_t, idx_t = logits.max(dim=1)
         best, idx = best_t.float().numpy(), idx_t.numpy()  # float: NaN and -inf stay
